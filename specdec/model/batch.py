@@ -1,0 +1,67 @@
+"""The input of one batched forward: new tokens of many sequences with their KV placement.
+
+Every query sees (a) all KV entries of its sequence below `prefix_len`, and (b) inside the
+"region" of KV positions [prefix_len, prefix_len + R) exactly the entries `region_mask` allows.
+A chain is a causal region, a tree an ancestor mask; padding queries see only themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    tokens: torch.Tensor       # [B, n] int64
+    positions: torch.Tensor    # [B, n] int64, RoPE positions
+    slots: torch.Tensor        # [B] int64, KV slot per sequence
+    write_pos: torch.Tensor    # [B, n] int64, KV position each new token is stored at
+    prefix_len: torch.Tensor   # [B] int64
+    region_mask: torch.Tensor  # [B, n, R] bool
+    kv_len: int                # keys read per sequence: max over the batch of the highest position + 1
+
+    def attention_mask(self) -> torch.Tensor:
+        """[B, 1, n, kv_len] bool: True where a query may attend to a key."""
+        key_pos = torch.arange(self.kv_len, device=self.tokens.device)  # [T]
+        prefix = self.prefix_len[:, None]                                # [B, 1]
+        rel = key_pos[None, :] - prefix                                   # [B, T]
+        region_size = self.region_mask.shape[-1]
+        in_region = (rel >= 0) & (rel < region_size)
+        idx = rel.clamp(0, region_size - 1)[:, None, :].expand(-1, self.tokens.shape[1], -1)
+        region_ok = torch.gather(self.region_mask, 2, idx) & in_region[:, None, :]
+        visible = (key_pos[None, None, :] < prefix[:, :, None]) | region_ok
+        return visible[:, None]
+
+    @classmethod
+    def build(
+        cls,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        write_pos: torch.Tensor,
+        prefix_len: torch.Tensor,
+        region_mask: torch.Tensor,
+    ) -> ForwardBatch:
+        kv_len = int(torch.maximum(write_pos.max(), (prefix_len - 1).max()).item()) + 1
+        return cls(tokens, positions, slots, write_pos, prefix_len, region_mask, kv_len)
+
+
+def causal_region(lengths: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, n, n] causal mask for ragged chains of `lengths` tokens; padding rows see only themselves."""
+    idx = torch.arange(n, device=lengths.device)
+    causal = idx[None, :, None] >= idx[None, None, :]
+    real = idx[None, :] < lengths[:, None]                     # [B, n]
+    eye = torch.eye(n, dtype=torch.bool, device=lengths.device)
+    return torch.where(real[:, :, None], causal & real[:, None, :], eye[None])
+
+
+def ragged_to_padded(seqs: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Python token lists -> ([B, n] padded tensor, [B] lengths)."""
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    n = int(lengths.max())
+    out = torch.full((len(seqs), n), pad, dtype=torch.long)
+    for i, s in enumerate(seqs):  # host-side packing of the request, not per-step tensor work
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out.to(device), lengths.to(device)

@@ -1,0 +1,56 @@
+"""Preallocated KV cache: one fixed-length slot per sequence, all layers in two tensors.
+
+Rollback is free (a sequence's valid length lives with its owner; stale entries past it are
+simply overwritten), and tree compaction moves the accepted path's entries to a dense prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        slot_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_layers, num_slots, slot_len, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, T, Hkv, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots = num_slots
+        self.slot_len = slot_len
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def write(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # slots: [B]; pos: [B, n]; k, v: [B, n, Hkv, D]
+        self.k[layer, slots[:, None], pos] = k
+        self.v[layer, slots[:, None], pos] = v
+
+    def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # -> k, v: [B, length, Hkv, D] (positions past a sequence's own length are masked by the caller)
+        return self.k[layer, slots, :length], self.v[layer, slots, :length]
+
+    def move(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy entries src -> dst within each slot, all layers at once (tree compaction).
+
+        slots: [B]; src, dst: [B, m]. Pad rows with src == dst (a no-op move).
+        """
+        rows = slots[:, None].expand_as(src)
+        self.k[:, rows, dst] = self.k[:, rows, src]
+        self.v[:, rows, dst] = self.v[:, rows, src]

@@ -1,0 +1,100 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) with its own batched forward over a KVCache.
+
+Parameter names match Hugging Face checkpoints, so a safetensors state dict loads directly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from specdec.model.batch import ForwardBatch
+from specdec.model.kv_cache import KVCache
+from specdec.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from specdec.model.spec import ModelSpec
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        h = spec.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=spec.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        mask: torch.Tensor,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        cache.write(self.layer_idx, batch.slots, batch.write_pos, k, v)
+        keys, values = cache.read(self.layer_idx, batch.slots, batch.kv_len)  # [B, T, Hkv, D]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),                 # [B, H, n, D]
+            keys.transpose(1, 2),              # [B, Hkv, T, D]
+            values.transpose(1, 2),
+            attn_mask=mask,                    # [B, 1, n, T]
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec, layer_idx)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch, mask, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.rotary = RotaryEmbedding(*spec.rope_inv_freq())
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderModel(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: KVCache, logit_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the new tokens through all layers, writing their KV into `cache`.
+
+        logit_index: [B, m] positions (into n) whose logits are wanted; None = all.
+        Returns logits [B, m, V] in fp32.
+        """
+        x = self.model.embed_tokens(batch.tokens)              # [B, n, h]
+        cos, sin = self.model.rotary(batch.positions, x.dtype)  # [B, n, D]
+        mask = batch.attention_mask()
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, batch, mask, cache)
+        if logit_index is not None:
+            x = torch.gather(x, 1, logit_index[:, :, None].expand(-1, -1, x.shape[-1]))
+        return self.lm_head(self.model.norm(x)).float()
