@@ -1,0 +1,81 @@
+"""Draft trees: the plain dataclass, validation, and batched tensor packing.
+
+A tree has a root (node 0, the sequence's last committed token, not listed) and N draft nodes
+1..N in topological order, each with a parent index < its own. A chain is the tree with parents
+[0, 1, ..., k-1]; plain decoding is the empty tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn import functional as F
+
+
+@dataclass
+class DraftTree:
+    token_ids: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    @classmethod
+    def chain(cls, token_ids: list[int], logprobs: list[float] | None = None) -> DraftTree:
+        return cls(list(token_ids), list(range(len(token_ids))), list(logprobs or []))
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def problem(self, vocab_size: int, max_nodes: int) -> str | None:
+        """Why this tree is malformed, or None."""
+        if len(self.parents) != len(self.token_ids):
+            return f"draft has {len(self.token_ids)} tokens but {len(self.parents)} parents"
+        if len(self.token_ids) > max_nodes:
+            return f"draft has {len(self.token_ids)} nodes; at most {max_nodes} are allowed"
+        for i, (tok, parent) in enumerate(zip(self.token_ids, self.parents), start=1):
+            if not 0 <= tok < vocab_size:
+                return f"draft token {tok} is outside the vocabulary [0, {vocab_size})"
+            if not 0 <= parent < i:
+                return f"draft node {i} has parent {parent}; parents must precede their children"
+        return None
+
+
+@dataclass
+class PackedTrees:
+    tokens: torch.Tensor     # [B, n] node tokens, node 0 = root
+    parents: torch.Tensor    # [B, n] parent index, -1 for roots and padding
+    num_nodes: torch.Tensor  # [B] real nodes including the root
+    ancestors: torch.Tensor  # [B, n, n] bool: j is i or an ancestor of i (padding: self only)
+    depth: torch.Tensor      # [B, n] root = 0
+
+
+def pack_trees(roots: list[int], trees: list[DraftTree], device: torch.device) -> PackedTrees:
+    n = 1 + max((len(t) for t in trees), default=0)
+    b = len(trees)
+    tokens = torch.zeros(b, n, dtype=torch.long)
+    parents = torch.full((b, n), -1, dtype=torch.long)
+    tokens[:, 0] = torch.tensor(roots, dtype=torch.long)
+    for i, t in enumerate(trees):  # host-side packing of the message, one copy per sequence
+        if len(t):
+            tokens[i, 1 : 1 + len(t)] = torch.tensor(t.token_ids, dtype=torch.long)
+            parents[i, 1 : 1 + len(t)] = torch.tensor(t.parents, dtype=torch.long)
+    num_nodes = torch.tensor([1 + len(t) for t in trees], dtype=torch.long)
+    tokens, parents, num_nodes = tokens.to(device), parents.to(device), num_nodes.to(device)
+    ancestors, depth = tree_structure(parents)
+    return PackedTrees(tokens, parents, num_nodes, ancestors, depth)
+
+
+def tree_structure(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """parents [B, n] (-1 = no parent) -> (ancestor-or-self mask [B, n, n], depth [B, n])."""
+    b, n = parents.shape
+    ancestors = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n).clone()
+    depth = torch.zeros_like(parents)
+    cur = parents
+    for _ in range(n - 1):  # one hop up the tree per iteration, all nodes at once
+        has_parent = cur >= 0
+        if not bool(has_parent.any()):
+            break
+        ancestors |= F.one_hot(cur.clamp(min=0), n).bool() & has_parent[:, :, None]
+        depth += has_parent.long()
+        cur = torch.where(has_parent, torch.gather(parents, 1, cur.clamp(min=0)), cur)
+    return ancestors, depth

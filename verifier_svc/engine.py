@@ -1,0 +1,123 @@
+"""Verifier engine: prefill new sequences and verify every active sequence's draft in one forward.
+
+Runs on one worker thread (never on the event loop). Invariant per sequence: the KV cache holds
+every committed token but the last one, which is fed as the root of the next step's draft tree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.greedy_accept import greedy_accept
+from specdec.errors import ErrorCode, SequenceError
+from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded
+from specdec.model.kv_cache import KVCache
+from specdec.model.llama import LlamaForCausalLM
+from specdec.sequence_table import SequenceState, SequenceTable
+from specdec.tree import pack_trees
+from verifier_svc.types import Verdict, VerifierStep, VerifierStepResult, VerifyItem
+
+
+class VerifierEngine:
+    def __init__(self, model: LlamaForCausalLM, max_sequences: int, max_context: int, max_draft_tokens: int) -> None:
+        spec = model.spec
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.max_context = min(max_context, spec.max_position_embeddings)
+        self.max_draft_tokens = max_draft_tokens
+        self.cache = KVCache(
+            spec.num_layers, max_sequences, self.max_context + max_draft_tokens + 1,
+            spec.num_kv_heads, spec.head_dim, next(model.parameters()).dtype, self.device,
+        )
+        self.table = SequenceTable(self.cache, spec.vocab_size, self.max_context)
+
+    @property
+    def active_sequences(self) -> int:
+        return len(self.table)
+
+    def close(self, seq_ids: list[str]) -> None:
+        for sid in seq_ids:
+            self.table.close(sid)
+
+    def step(self, req: VerifierStep) -> VerifierStepResult:
+        result = VerifierStepResult(req.step)
+        self.close(req.close)
+        opened: list[SequenceState] = []
+        for o in req.open:
+            state = self.table.open(o.seq_id, o.prompt_ids)
+            if isinstance(state, SequenceError):
+                result.errors.append(state)
+            else:
+                opened.append(state)
+        if opened:
+            result.verdicts += self._prefill(opened)
+        items: list[tuple[SequenceState, VerifyItem]] = []
+        for item in req.verify:
+            checked = self._check(item)
+            if isinstance(checked, SequenceError):
+                result.errors.append(checked)
+            else:
+                items.append((checked, item))
+        if items:
+            result.verdicts += self._verify(items)
+        return result
+
+    def _check(self, item: VerifyItem) -> SequenceState | SequenceError:
+        state = self.table.get(item.seq_id)
+        if state is None:
+            return SequenceError(item.seq_id, ErrorCode.NOT_FOUND, f"sequence {item.seq_id!r} is not open")
+        if item.committed_len != len(state.tokens):
+            return SequenceError(
+                item.seq_id, ErrorCode.STALE,
+                f"verify item for committed length {item.committed_len}, sequence has {len(state.tokens)}",
+            )
+        problem = item.draft.problem(self.model.spec.vocab_size, self.max_draft_tokens)
+        if problem:
+            return SequenceError(item.seq_id, ErrorCode.INVALID, problem)
+        if len(state.tokens) >= self.max_context:
+            return SequenceError(item.seq_id, ErrorCode.OUT_OF_CAPACITY, f"sequence reached the context limit {self.max_context}")
+        return state
+
+    def _prefill(self, states: list[SequenceState]) -> list[Verdict]:
+        tokens, lengths = ragged_to_padded([s.tokens for s in states], 0, self.device)
+        n = tokens.shape[1]
+        positions = torch.arange(n, device=self.device).expand_as(tokens)
+        batch = ForwardBatch.build(
+            tokens, positions, self._slots(states), positions,
+            torch.zeros_like(lengths), causal_region(lengths, n),
+        )
+        logits = self.model(batch, self.cache, logit_index=(lengths - 1)[:, None])  # [B, 1, V]
+        first = logits[:, 0].argmax(-1).tolist()
+        for s, tok in zip(states, first):
+            s.tokens.append(tok)
+        return [Verdict(s.seq_id, len(s.tokens), [tok], 0) for s, tok in zip(states, first)]
+
+    def _verify(self, items: list[tuple[SequenceState, VerifyItem]]) -> list[Verdict]:
+        states = [s for s, _ in items]
+        trees = pack_trees([s.tokens[-1] for s in states], [it.draft for _, it in items], self.device)
+        n = trees.tokens.shape[1]
+        kv_start = torch.tensor([len(s.tokens) - 1 for s in states], device=self.device)  # [B]
+        slots = self._slots(states)
+        batch = ForwardBatch.build(
+            trees.tokens, kv_start[:, None] + trees.depth, slots,
+            kv_start[:, None] + torch.arange(n, device=self.device), kv_start, trees.ancestors,
+        )
+        target_argmax = self.model(batch, self.cache).argmax(-1)  # [B, n]
+        verdict = greedy_accept(trees.tokens, trees.parents, trees.depth, trees.num_nodes, target_argmax)
+        # Compact the accepted path's KV entries into a dense prefix (a no-op for chains).
+        dense = torch.arange(verdict.path.shape[1], device=self.device)[None, :]
+        on_path = verdict.path >= 0
+        if bool((on_path & (verdict.path != dense)).any()):
+            src = kv_start[:, None] + torch.where(on_path, verdict.path, dense)
+            self.cache.move(slots, src, kv_start[:, None] + dense)
+        accepted = torch.gather(trees.tokens, 1, verdict.path.clamp(min=0))[:, 1:]  # [B, D]
+        accepted_rows = accepted.tolist()
+        out = []
+        for s, row, a, bonus in zip(states, accepted_rows, verdict.accept_len.tolist(), verdict.bonus.tolist()):
+            new = row[:a] + [bonus]
+            s.tokens += new
+            out.append(Verdict(s.seq_id, len(s.tokens), new, a))
+        return out
+
+    def _slots(self, states: list[SequenceState]) -> torch.Tensor:
+        return torch.tensor([s.slot for s in states], dtype=torch.long, device=self.device)
