@@ -1,0 +1,147 @@
+"""Drafter engine: keeps each sequence's draft-model KV in step with the committed tokens and
+drafts chains or trees for a whole batch at once.
+
+KV reuse is by longest common prefix: the drafter remembers which tokens its KV holds
+(`kv_tokens`) and feeds only what differs from committed + assumed tokens. That one rule covers
+a first draft (feed the prompt), an overlap hit (its own pre-draft is already in the KV), a
+partial acceptance and a miss (roll back to the divergence point and feed the corrections).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafter_svc.tree_draft import expand_trees
+from drafter_svc.types import ChainShape, Draft, DraftItem, DrafterStep, DrafterStepResult, TreeShape
+from specdec.errors import ErrorCode, SequenceError
+from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded
+from specdec.model.kv_cache import KVCache
+from specdec.model.llama import LlamaForCausalLM
+from specdec.sequence_table import SequenceState, SequenceTable
+from specdec.tree import DraftTree
+
+# KV room past the context: assumed tokens (a pre-draft) plus a chain or the fed part of a tree.
+DRAFT_SLACK = 160
+
+
+class DrafterEngine:
+    def __init__(self, model: LlamaForCausalLM, max_sequences: int, max_context: int) -> None:
+        spec = model.spec
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.max_context = min(max_context, spec.max_position_embeddings)
+        self.cache = KVCache(
+            spec.num_layers, max_sequences, self.max_context + DRAFT_SLACK,
+            spec.num_kv_heads, spec.head_dim, next(model.parameters()).dtype, self.device,
+        )
+        self.table = SequenceTable(self.cache, spec.vocab_size, self.max_context)
+
+    @property
+    def active_sequences(self) -> int:
+        return len(self.table)
+
+    def close(self, seq_ids: list[str]) -> None:
+        for sid in seq_ids:
+            self.table.close(sid)
+
+    def step(self, req: DrafterStep) -> DrafterStepResult:
+        result = DrafterStepResult(req.step)
+        self.close(req.close)
+        ready: list[tuple[SequenceState, DraftItem]] = []
+        for item in req.items:
+            state = self._apply(item)
+            if isinstance(state, SequenceError):
+                result.errors.append(state)
+            else:
+                ready.append((state, item))
+        if not ready:
+            return result
+        contexts = [s.tokens + it.assumed_ids for s, it in ready]
+        last_logits = self._catch_up([s for s, _ in ready], contexts)  # [B, V]
+        chains = [i for i, (_, it) in enumerate(ready) if isinstance(it.shape, ChainShape)]
+        trees = [i for i, (_, it) in enumerate(ready) if isinstance(it.shape, TreeShape)]
+        drafted: dict[int, DraftTree] = {}
+        if chains:
+            drafted.update(zip(chains, self._draft_chains(
+                [ready[i][0] for i in chains], [ready[i][1].shape.k for i in chains], last_logits[chains])))
+        for shape in {ready[i][1].shape for i in trees}:  # one batched expansion per tree shape
+            group = [i for i in trees if ready[i][1].shape == shape]
+            states = [ready[i][0] for i in group]
+            drafted.update(zip(group, expand_trees(self.model, self.cache, states, shape, last_logits[group])))
+        for i, (s, it) in enumerate(ready):
+            result.drafts.append(Draft(s.seq_id, len(s.tokens), len(it.assumed_ids), drafted[i]))
+        return result
+
+    def _apply(self, item: DraftItem) -> SequenceState | SequenceError:
+        """Open or extend the sequence with the newly committed tokens, after checks."""
+        problem = item.shape.problem()
+        if problem:
+            return SequenceError(item.seq_id, ErrorCode.INVALID, problem)
+        state = self.table.get(item.seq_id)
+        if state is None:
+            if item.committed_len != len(item.append_ids):
+                return SequenceError(item.seq_id, ErrorCode.NOT_FOUND,
+                                     f"sequence {item.seq_id!r} is not open; send all its tokens to open it")
+            state = self.table.open(item.seq_id, item.append_ids)
+            if isinstance(state, SequenceError):
+                return state
+        else:
+            if len(state.tokens) + len(item.append_ids) != item.committed_len:
+                return SequenceError(
+                    item.seq_id, ErrorCode.STALE,
+                    f"drafter holds {len(state.tokens)} tokens; {len(item.append_ids)} appended "
+                    f"do not make {item.committed_len}",
+                )
+            problem = self.table.token_problem(item.append_ids) if item.append_ids else None
+            if problem:
+                return SequenceError(item.seq_id, ErrorCode.INVALID, problem)
+            state.tokens += item.append_ids
+        if self.table.token_problem(item.assumed_ids or [0]):
+            return SequenceError(item.seq_id, ErrorCode.INVALID, "assumed token outside the vocabulary")
+        if len(state.tokens) + len(item.assumed_ids) >= self.max_context:
+            return SequenceError(item.seq_id, ErrorCode.OUT_OF_CAPACITY,
+                                 f"sequence reached the drafter's context limit {self.max_context}")
+        return state
+
+    def _catch_up(self, states: list[SequenceState], contexts: list[list[int]]) -> torch.Tensor:
+        """Feed each context's tokens that the KV lacks (at least its last one); -> next-token logits [B, V]."""
+        starts = []
+        for s, ctx in zip(states, contexts):  # host bookkeeping: where the KV diverges
+            limit = min(len(s.kv_tokens), len(ctx) - 1)
+            common = next((i for i in range(limit) if s.kv_tokens[i] != ctx[i]), limit)
+            starts.append(common)
+            s.kv_tokens = list(ctx)  # after this feed the KV holds exactly the context
+        feeds = [ctx[c:] for ctx, c in zip(contexts, starts)]
+        tokens, lengths = ragged_to_padded(feeds, 0, self.device)
+        start = torch.tensor(starts, device=self.device)
+        pos = start[:, None] + torch.arange(tokens.shape[1], device=self.device)
+        batch = ForwardBatch.build(tokens, pos, self._slots(states), pos, start, causal_region(lengths, tokens.shape[1]))
+        return self.model(batch, self.cache, logit_index=(lengths - 1)[:, None])[:, 0]
+
+    def _draft_chains(self, states: list[SequenceState], ks: list[int], logits: torch.Tensor) -> list[DraftTree]:
+        """Greedy chains of ks[i] tokens, one batched single-token forward per extra token."""
+        steps = max(ks)
+        slots = self._slots(states)
+        pos = torch.tensor([len(s.kv_tokens) for s in states], device=self.device)  # next write position
+        toks, logps = [], []
+        for t in range(steps):
+            logp = torch.log_softmax(logits, dim=-1)
+            best = logp.argmax(-1)                                     # [B]
+            toks.append(best)
+            logps.append(logp.gather(1, best[:, None])[:, 0])
+            if t == steps - 1:
+                break
+            p = (pos + t)[:, None]
+            batch = ForwardBatch.build(best[:, None], p, slots, p, pos + t,
+                                       torch.ones(len(states), 1, 1, dtype=torch.bool, device=self.device))
+            logits = self.model(batch, self.cache)[:, 0]
+        tok_rows = torch.stack(toks, 1).tolist()
+        lp_rows = torch.stack(logps, 1).tolist()
+        out = []
+        for s, k, row, lp in zip(states, ks, tok_rows, lp_rows):
+            s.kv_tokens += row[: min(k, steps) - 1]  # the KV now also holds the chain but its last token
+            out.append(DraftTree.chain(row[:k], lp[:k]))
+        return out
+
+    def _slots(self, states: list[SequenceState]) -> torch.Tensor:
+        return torch.tensor([s.slot for s in states], dtype=torch.long, device=self.device)

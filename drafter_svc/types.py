@@ -1,0 +1,75 @@
+"""Plain dataclasses for one drafter step (the servicer converts them from/to protobuf)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.errors import SequenceError
+from specdec.tree import DraftTree
+
+MAX_CHAIN_K = 16
+MAX_TREE_TOPK = 8
+MAX_TREE_DEPTH = 10
+MAX_TREE_BUDGET = 64
+
+
+@dataclass(frozen=True)
+class ChainShape:
+    k: int
+
+    def problem(self) -> str | None:
+        if not 1 <= self.k <= MAX_CHAIN_K:
+            return f"chain k={self.k} is out of range; use 1..{MAX_CHAIN_K}"
+        return None
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    topk: int
+    depth: int
+    budget: int
+
+    def problem(self) -> str | None:
+        if not 1 <= self.topk <= MAX_TREE_TOPK:
+            return f"tree topk={self.topk} is out of range; use 1..{MAX_TREE_TOPK}"
+        if not 1 <= self.depth <= MAX_TREE_DEPTH:
+            return f"tree depth={self.depth} is out of range; use 1..{MAX_TREE_DEPTH}"
+        if not 1 <= self.budget <= MAX_TREE_BUDGET:
+            return f"tree budget={self.budget} is out of range; use 1..{MAX_TREE_BUDGET}"
+        return None
+
+    @property
+    def fed_nodes(self) -> int:
+        """Tree nodes the drafter feeds through its model (all but the last depth)."""
+        return (self.depth - 1) * self.topk
+
+
+@dataclass
+class DraftItem:
+    seq_id: str
+    committed_len: int
+    append_ids: list[int]
+    assumed_ids: list[int]
+    shape: ChainShape | TreeShape
+
+
+@dataclass
+class DrafterStep:
+    step: int
+    items: list[DraftItem] = field(default_factory=list)
+    close: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Draft:
+    seq_id: str
+    committed_len: int
+    assumed_len: int
+    tree: DraftTree
+
+
+@dataclass
+class DrafterStepResult:
+    step: int
+    drafts: list[Draft] = field(default_factory=list)
+    errors: list[SequenceError] = field(default_factory=list)
