@@ -1,0 +1,53 @@
+"""Clients of the internal services: one long-lived, ordered Step stream per backend."""
+
+from __future__ import annotations
+
+import grpc
+
+from specdec.rpc import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
+from specdec.serving import CHANNEL_OPTIONS
+
+
+class BackendLost(RuntimeError):
+    """The backend's stream broke: its sequences' state is gone with it."""
+
+
+class StepStream:
+    def __init__(self, role: str, address: str) -> None:
+        self.role = role
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        stub_cls = verifier_pb2_grpc.VerifierStub if role == "verifier" else drafter_pb2_grpc.DrafterStub
+        self.stub = stub_cls(self.channel)
+        self.call = None
+
+    async def info(self, timeout: float = 5.0, wait: bool = False) -> common_pb2.ServiceInfo:
+        return await self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=timeout, wait_for_ready=wait)
+
+    async def step(self, msg):
+        """Send one step and wait for its response; raises BackendLost if the stream broke."""
+        try:
+            if self.call is None:
+                self.call = self.stub.Step()
+            await self.call.write(msg)
+            resp = await self.call.read()
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError) as exc:
+            self.call = None
+            raise BackendLost(f"{self.role} at {self.address}: {exc}") from exc
+        if resp is grpc.aio.EOF:
+            self.call = None
+            raise BackendLost(f"{self.role} at {self.address} ended the stream")
+        if resp.step != msg.step:
+            self.call = None
+            raise BackendLost(f"{self.role} answered step {resp.step} to step {msg.step}")
+        return resp
+
+    def reset(self) -> None:
+        """Drop the stream (the backend frees its sequences); the next step opens a new one."""
+        if self.call is not None:
+            self.call.cancel()
+            self.call = None
+
+    async def close(self) -> None:
+        self.reset()
+        await self.channel.close()

@@ -1,0 +1,265 @@
+"""The gateway's step loop: all active requests of one drafter/verifier pair advance together.
+
+Each step: admit waiting requests (the verifier prefills them), get drafts for sequences that
+have none (synchronously), then send one batched verify step; in chain mode with overlap the
+drafter pre-drafts step t+1 at the same time, assuming the draft under verification passes. A
+pre-draft is used only if the verdict accepted the whole draft and the bonus token equals the
+pre-draft's first token; otherwise it is dropped. Losing the drafter turns every request into
+plain decoding (same tokens, lossless); losing the verifier fails the requests with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+import structlog
+
+from gateway.backends import BackendLost, StepStream
+from gateway.request import ActiveRequest, Event, Mode
+from specdec.errors import ErrorCode
+from specdec.rpc import drafter_pb2, verifier_pb2
+from specdec.rpc.convert import error_from_proto, tree_from_proto, tree_to_proto
+from specdec.tree import DraftTree
+
+DRAFTER_RETRY_SECONDS = 5.0
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+class Scheduler:
+    def __init__(self, verifier: StepStream, drafter: StepStream | None, max_sequences: int,
+                 max_queue: int, eos_ids: set[int]) -> None:
+        self.verifier = verifier
+        self.drafter_backend = drafter        # configured drafter, kept for reconnects
+        self.drafter = drafter                # None while lost or not configured
+        self.max_sequences = max_sequences
+        self.max_queue = max_queue
+        self.eos_ids = eos_ids
+        self.pending: deque[ActiveRequest] = deque()
+        self.active: dict[str, ActiveRequest] = {}
+        self.close_verifier: list[str] = []
+        self.close_drafter: list[str] = []
+        self.wakeup = asyncio.Event()
+        self.step_no = 0
+        self.drafter_lost_at: float | None = None
+        self.log = structlog.get_logger(service="gateway")
+
+    # ---- called by the RPC handlers -------------------------------------------------------
+    def submit(self, r: ActiveRequest) -> None:
+        if len(self.pending) >= self.max_queue:
+            raise QueueFull(f"{len(self.pending)} requests are already waiting; retry later")
+        if r.mode != Mode.OFF and self.drafter is None:
+            r.mode = Mode.OFF
+        self.pending.append(r)
+        self.wakeup.set()
+
+    def cancel(self, r: ActiveRequest) -> None:
+        r.cancelled = True
+        self.wakeup.set()
+
+    # ---- the loop -------------------------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            if not (self.active or self.pending or self.close_verifier or self.close_drafter):
+                self.wakeup.clear()
+                await self.wakeup.wait()
+                continue
+            try:
+                await self._step()
+            except BackendLost as exc:
+                self.log.error("verifier lost; failing its requests", error=str(exc))
+                self.verifier.reset()
+                self._fail_all("UNAVAILABLE", f"the verifier became unavailable: {exc}")
+            except Exception as exc:  # a bug: fail loudly, keep serving
+                self.log.exception("step failed")
+                self.verifier.reset()
+                self._fail_all("INTERNAL", f"internal error in the gateway step loop: {exc}")
+
+    async def _step(self) -> None:
+        self.step_no += 1
+        for r in [r for r in self.active.values() if r.cancelled]:
+            self.log.info("request cancelled", request_id=r.req.request_id)
+            self._retire(r)
+        opens = self._admit()
+        continuing = [r for r in self.active.values() if r not in opens]
+        await self._maybe_reconnect_drafter()
+        if self.drafter is not None:
+            need = [r for r in continuing if r.mode != Mode.OFF and r.draft is None]
+            if need:
+                await self._draft(need, predraft=False)
+
+        verify_msg = verifier_pb2.VerifyStepRequest(
+            step=self.step_no,
+            open=[verifier_pb2.OpenSequence(seq_id=r.seq_id, prompt_ids=r.tokens) for r in opens],
+            verify=[verifier_pb2.VerifyItem(seq_id=r.seq_id, committed_len=len(r.tokens),
+                                            draft=tree_to_proto(r.draft or DraftTree())) for r in continuing],
+            close=self.close_verifier,
+        )
+        self.close_verifier = []
+        overlap = [r for r in continuing if r.mode == Mode.CHAIN and r.req.spec.overlap and r.draft]
+        if self.drafter is not None and (overlap or self.close_drafter):
+            verdicts, _ = await asyncio.gather(self.verifier.step(verify_msg), self._draft(overlap, predraft=True))
+        else:
+            verdicts = await self.verifier.step(verify_msg)
+        self._apply_verdicts(verdicts)
+
+    def _admit(self) -> list[ActiveRequest]:
+        opens = []
+        while self.pending and len(self.active) < self.max_sequences:
+            r = self.pending.popleft()
+            if r.cancelled:
+                continue
+            r.tokens = list(r.req.prompt_ids)
+            self.active[r.seq_id] = r
+            opens.append(r)
+        return opens
+
+    # ---- drafting -------------------------------------------------------------------------
+    async def _draft(self, reqs: list[ActiveRequest], predraft: bool) -> None:
+        items = []
+        for r in reqs:
+            spec = r.req.spec
+            item = drafter_pb2.DraftItem(seq_id=r.seq_id, committed_len=len(r.tokens),
+                                         append_ids=r.tokens[r.drafter_len:])
+            if predraft:  # draft after the in-flight draft; one extra token guesses the bonus
+                item.assumed_ids.extend(r.draft.token_ids)
+                item.chain.k = spec.k + 1
+            elif r.mode == Mode.TREE:
+                item.tree.topk, item.tree.depth, item.tree.budget = spec.topk, spec.depth, spec.budget
+            else:
+                item.chain.k = spec.k
+            r.drafter_len = len(r.tokens)
+            items.append(item)
+        msg = drafter_pb2.DraftStepRequest(step=self.step_no * 2 + int(predraft), items=items, close=self.close_drafter)
+        self.close_drafter = []
+        try:
+            resp = await self.drafter.step(msg)
+        except BackendLost as exc:
+            self._drafter_lost(str(exc))
+            return
+        by_id = {r.seq_id: r for r in reqs}
+        for err in map(error_from_proto, resp.errors):
+            r = by_id.get(err.seq_id)
+            if r is not None:
+                self.log.warning("drafter refused a sequence; it continues without drafts",
+                                 request_id=r.req.request_id, code=err.code.name, error=err.message)
+                self._stop_speculating(r)
+        for d in resp.drafts:
+            r = by_id.get(d.seq_id)
+            if r is None or r.mode == Mode.OFF or d.committed_len != len(r.tokens):
+                continue  # stale: the request moved on or ended meanwhile
+            if predraft:
+                r.predraft = tree_from_proto(d.tree)
+            else:
+                r.draft = tree_from_proto(d.tree)
+
+    def _stop_speculating(self, r: ActiveRequest) -> None:
+        r.mode, r.draft, r.predraft = Mode.OFF, None, None
+        if r.drafter_len:
+            self.close_drafter.append(r.seq_id)
+            r.drafter_len = 0
+
+    def _drafter_lost(self, reason: str) -> None:
+        ids = [r.req.request_id for r in self.active.values() if r.mode != Mode.OFF]
+        self.log.error("drafter lost; its requests finish in mode off", error=reason, request_ids=ids)
+        self.drafter.reset()
+        self.drafter = None
+        self.drafter_lost_at = asyncio.get_running_loop().time()
+        self.close_drafter = []
+        for r in self.active.values():  # a draft already made stays valid and is still verified
+            r.mode, r.predraft, r.drafter_len = Mode.OFF, None, 0
+
+    async def _maybe_reconnect_drafter(self) -> None:
+        """After a loss, try the drafter again now and then; new requests use it once it is back."""
+        if self.drafter is not None or self.drafter_backend is None or self.drafter_lost_at is None:
+            return
+        now = asyncio.get_running_loop().time()
+        if now - self.drafter_lost_at < DRAFTER_RETRY_SECONDS:
+            return
+        self.drafter_lost_at = now
+        try:
+            await self.drafter_backend.info(timeout=1.0)
+        except Exception:  # noqa: BLE001 - still down
+            return
+        self.log.info("drafter is back; new requests speculate again")
+        self.drafter = self.drafter_backend
+
+    # ---- verdicts -------------------------------------------------------------------------
+    def _apply_verdicts(self, resp: verifier_pb2.VerifyStepResponse) -> None:
+        for err in map(error_from_proto, resp.errors):
+            r = self.active.get(err.seq_id)
+            if r is None:
+                continue
+            status = {ErrorCode.INVALID: "INVALID_ARGUMENT", ErrorCode.OUT_OF_CAPACITY: "RESOURCE_EXHAUSTED"}
+            self._fail(r, status.get(err.code, "INTERNAL"), f"verifier: {err.message}")
+        for v in resp.verdicts:
+            r = self.active.get(v.seq_id)
+            if r is None or r.cancelled:
+                continue
+            accepted = list(v.accepted_ids)
+            if v.committed_len != len(r.tokens) + len(accepted):
+                self._fail(r, "INTERNAL", f"verifier and gateway disagree on the length of {r.seq_id}")
+                continue
+            if len(r.tokens) > len(r.req.prompt_ids):  # a verify step, not the prefill
+                self._count_step(r, accepted, v.accepted_drafts)
+            self._emit(r, accepted)
+
+    def _count_step(self, r: ActiveRequest, accepted: list[int], accepted_drafts: int) -> None:
+        s = r.stats
+        drafted = len(r.draft) if r.draft else 0
+        s.steps += 1
+        s.drafted += drafted
+        s.accepted += accepted_drafts
+        s.committed_by_steps += len(accepted)
+        full = r.draft is not None and accepted_drafts == drafted
+        r.draft = None
+        if r.predraft is not None:
+            if full and len(r.predraft) > 1 and r.predraft.token_ids[0] == accepted[-1]:
+                r.draft = DraftTree.chain(r.predraft.token_ids[1:], r.predraft.logprobs[1:])
+                s.overlap_hits += 1
+            else:
+                s.overlap_misses += 1
+            r.predraft = None
+
+    def _emit(self, r: ActiveRequest, new: list[int]) -> None:
+        new = new[: r.req.max_new_tokens - r.generated]
+        finish = None
+        if r.req.stop_at_eos:
+            eos_at = next((i for i, t in enumerate(new) if t in self.eos_ids), None)
+            if eos_at is not None:
+                new, finish = new[: eos_at + 1], "eos"
+        text, stopped = r.detok.add(new)
+        if stopped:
+            new, finish = new[: r.detok.tokens_used], "stop"
+        r.tokens += new
+        if finish is None and r.generated >= r.req.max_new_tokens:
+            finish = "length"
+        if finish is not None:
+            text += r.detok.finish()
+            r.finished = True
+            self._retire(r)
+        if new or finish:
+            r.events.put_nowait(Event(token_ids=new, text=text, finish_reason=finish))
+
+    # ---- endings --------------------------------------------------------------------------
+    def _retire(self, r: ActiveRequest) -> None:
+        if self.active.pop(r.seq_id, None) is not None:
+            self.close_verifier.append(r.seq_id)
+            if r.drafter_len and self.drafter is not None:
+                self.close_drafter.append(r.seq_id)
+
+    def _fail(self, r: ActiveRequest, status: str, message: str) -> None:
+        r.finished = True
+        self._retire(r)
+        r.events.put_nowait(Event(error=(status, message)))
+
+    def _fail_all(self, status: str, message: str) -> None:
+        for r in list(self.active.values()) + list(self.pending):
+            r.finished = True
+            r.events.put_nowait(Event(error=(status, message)))
+        self.active.clear()
+        self.pending.clear()
+        self.close_verifier = []  # the verifier stream was reset: it freed them itself

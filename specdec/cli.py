@@ -1,0 +1,75 @@
+"""`specdec` console script: serve (all three services), one service, or a streaming client."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from specdec.config import EngineServiceConfig, GatewayConfig, add_device_arguments, env, resolve_device
+
+
+def default_models(target: str | None, draft: str | None) -> tuple[Path, Path]:
+    """Checkpoint dirs: as given, else the embedded SmolLM2 target and its derived drafter."""
+    if target and draft:
+        return Path(target), Path(draft)
+    if target and not draft:
+        raise SystemExit("--draft is required with --target (a draft model sharing the target's tokenizer)")
+    from specdec.embedded_model import ensure_embedded_models
+
+    emb_target, emb_draft = ensure_embedded_models()
+    return Path(target or emb_target), Path(draft or emb_draft)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="start verifier, drafter and gateway as three processes")
+    s.add_argument("--target", default=env("TARGET_MODEL"), help="target checkpoint dir (default: embedded SmolLM2)")
+    s.add_argument("--draft", default=env("DRAFT_MODEL"), help="draft checkpoint dir (same tokenizer)")
+    s.add_argument("--listen", default=env("GATEWAY_LISTEN", "127.0.0.1:50051"))
+    add_device_arguments(s)
+    s.add_argument("--no-drafter", action="store_true", help="run mode off only (no drafter process)")
+    s.add_argument("--verifier-gpus", default=None, help="CUDA_VISIBLE_DEVICES of the verifier, e.g. 1")
+    s.add_argument("--drafter-gpus", default=None, help="CUDA_VISIBLE_DEVICES of the drafter, e.g. 0")
+    s.add_argument("--max-sequences", type=int, default=int(env("MAX_SEQUENCES", "32")))
+    s.add_argument("--max-context", type=int, default=int(env("MAX_CONTEXT", "2048")))
+
+    for role in ("verifier", "drafter"):
+        r = sub.add_parser(role, help=f"run the {role} service alone")
+        EngineServiceConfig.add_arguments(r, role)
+
+    g = sub.add_parser("gateway", help="run the gateway service alone")
+    GatewayConfig.add_arguments(g)
+
+    c = sub.add_parser("generate", help="stream a completion from a running gateway")
+    from specdec.client import add_generate_arguments
+
+    add_generate_arguments(c)
+
+    args = p.parse_args(argv)
+    if args.command == "serve":
+        from specdec.launcher import serve_all
+
+        target, draft = default_models(args.target, args.draft)
+        sys.exit(serve_all(args, target, draft))
+    elif args.command in ("verifier", "drafter"):
+        from specdec.engine_service import run_engine_service
+
+        model_dir = Path(args.model_dir) if args.model_dir else default_models(None, None)[args.command == "drafter"]
+        args.device, args.dtype = resolve_device(args.device, args.dtype)
+        run_engine_service(EngineServiceConfig.from_args(args, args.command, model_dir))
+    elif args.command == "gateway":
+        from gateway.server import run_gateway
+
+        tok = args.tokenizer or args.target or str(default_models(None, None)[0])
+        run_gateway(GatewayConfig.from_args(args, Path(tok)))
+    elif args.command == "generate":
+        from specdec.client import generate
+
+        sys.exit(generate(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""`specdec generate`: call the gateway, stream the text as it comes, optionally end with JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+
+from specdec.config import env
+from specdec.rpc import gateway_pb2, gateway_pb2_grpc
+
+MODES = {"chain": gateway_pb2.SPEC_MODE_CHAIN, "tree": gateway_pb2.SPEC_MODE_TREE, "off": gateway_pb2.SPEC_MODE_OFF}
+
+
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", nargs="?", default=None, help="text prompt (tokenizer's special-token rules apply)")
+    p.add_argument("--gateway", default=env("GATEWAY_ADDR", "127.0.0.1:50051"))
+    p.add_argument("--token-ids", default=None, help="comma-separated prompt token ids, used exactly as given")
+    p.add_argument("--mode", choices=list(MODES), default="chain")
+    p.add_argument("--k", type=int, default=0, help="chain draft length (0 = server default)")
+    p.add_argument("--no-overlap", action="store_true", help="chain: do not pre-draft during verification")
+    p.add_argument("--topk", type=int, default=0)
+    p.add_argument("--depth", type=int, default=0)
+    p.add_argument("--budget", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=0, help="0 = server default")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to a text prompt")
+    p.add_argument("--request-id", default="")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--json", action="store_true", help="end stdout with one JSON object of ids, text and stats")
+
+
+def build_request(a: argparse.Namespace) -> gateway_pb2.GenerateRequest:
+    req = gateway_pb2.GenerateRequest(
+        request_id=a.request_id, max_new_tokens=a.max_new_tokens, stop=a.stop, apply_chat_template=a.chat,
+        speculation=gateway_pb2.SpeculationConfig(
+            mode=MODES[a.mode], k=a.k, overlap=not a.no_overlap, topk=a.topk, depth=a.depth, budget=a.budget),
+    )
+    if a.ignore_eos:
+        req.stop_at_eos = False
+    if a.token_ids is not None:
+        req.token_ids.ids.extend(int(t) for t in a.token_ids.split(",") if t.strip())
+    else:
+        req.text = a.prompt or ""
+    return req
+
+
+def generate(a: argparse.Namespace) -> int:
+    ids: list[int] = []
+    text: list[str] = []
+    final = None
+    with grpc.insecure_channel(a.gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        try:
+            for msg in stub.Generate(build_request(a), timeout=a.timeout):
+                ids += msg.token_ids
+                text.append(msg.text)
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+                if msg.HasField("final"):
+                    final = msg.final
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    sys.stdout.write("\n")
+    if a.json and final is not None:
+        s = final.stats
+        print(json.dumps({
+            "request_id": final.request_id,
+            "prompt_token_ids": list(final.prompt_token_ids),
+            "output_token_ids": ids,
+            "text": "".join(text),
+            "finish_reason": final.finish_reason,
+            "stats": {
+                "mode": s.mode, "steps": s.steps, "drafted": s.drafted, "accepted": s.accepted,
+                "mean_accepted_length": s.mean_accepted_length,
+                "overlap_hits": s.overlap_hits, "overlap_misses": s.overlap_misses,
+            },
+        }))
+    return 0

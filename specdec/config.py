@@ -1,0 +1,97 @@
+"""Typed service configuration, read once from flags with SPECDEC_* environment defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"SPECDEC_{name}", default)
+
+
+@dataclass(frozen=True)
+class EngineServiceConfig:
+    """A drafter or verifier process."""
+
+    role: str                 # "drafter" | "verifier"
+    model_dir: Path
+    listen: str
+    device: str
+    dtype: str
+    max_sequences: int
+    max_context: int
+    max_draft_tokens: int
+
+    @staticmethod
+    def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
+        key = role.upper()
+        p.add_argument("--model", dest="model_dir", default=env(f"{key}_MODEL"),
+                       help=f"checkpoint directory (env SPECDEC_{key}_MODEL; default: the embedded model)")
+        p.add_argument("--listen", default=env(f"{key}_LISTEN", "127.0.0.1:50061" if role == "verifier" else "127.0.0.1:50062"))
+        add_device_arguments(p)
+        p.add_argument("--max-sequences", type=int, default=int(env("MAX_SEQUENCES", "32")),
+                       help="KV slots: sequences held at once")
+        p.add_argument("--max-context", type=int, default=int(env("MAX_CONTEXT", "2048")),
+                       help="longest prompt + output per sequence (capped by the model)")
+        p.add_argument("--max-draft-tokens", type=int, default=int(env("MAX_DRAFT_TOKENS", "64")),
+                       help="most draft tokens verified per sequence and step")
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace, role: str, model_dir: Path) -> EngineServiceConfig:
+        return cls(role, model_dir, a.listen, a.device, a.dtype, a.max_sequences, a.max_context, a.max_draft_tokens)
+
+
+def add_device_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=["cpu", "cuda"], default=env("DEVICE"), help="default: cuda if available")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], default=env("DTYPE"),
+                   help="default: bfloat16 on cuda, float32 on cpu")
+
+
+def resolve_device(device: str | None, dtype: str | None) -> tuple[str, str]:
+    import torch
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda was asked for but torch sees no CUDA device")
+    return device, dtype or ("bfloat16" if device == "cuda" else "float32")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    listen: str
+    verifier: str
+    drafter: str | None
+    tokenizer_dir: Path
+    max_queue: int
+    default_max_new_tokens: int
+    default_k: int
+    default_topk: int
+    default_depth: int
+    default_budget: int
+
+    @staticmethod
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--listen", default=env("GATEWAY_LISTEN", "127.0.0.1:50051"))
+        p.add_argument("--verifier", default=env("VERIFIER_ADDR", "127.0.0.1:50061"))
+        p.add_argument("--drafter", default=env("DRAFTER_ADDR", "127.0.0.1:50062"),
+                       help="drafter address; 'none' serves mode off only")
+        p.add_argument("--tokenizer", default=env("TOKENIZER"),
+                       help="tokenizer directory (default: the target checkpoint)")
+        p.add_argument("--target", default=env("TARGET_MODEL"), help="target checkpoint (for its tokenizer)")
+        p.add_argument("--max-queue", type=int, default=int(env("MAX_QUEUE", "256")),
+                       help="requests waiting for a KV slot before new ones get RESOURCE_EXHAUSTED")
+        p.add_argument("--max-new-tokens", type=int, default=int(env("MAX_NEW_TOKENS", "256")),
+                       help="default when a request leaves it 0")
+        p.add_argument("--k", type=int, default=int(env("CHAIN_K", "4")), help="default chain draft length")
+        p.add_argument("--topk", type=int, default=int(env("TREE_TOPK", "4")))
+        p.add_argument("--depth", type=int, default=int(env("TREE_DEPTH", "4")))
+        p.add_argument("--budget", type=int, default=int(env("TREE_BUDGET", "16")))
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace, tokenizer_dir: Path) -> GatewayConfig:
+        drafter = None if (a.drafter or "none").lower() == "none" else a.drafter
+        return cls(a.listen, a.verifier, drafter, tokenizer_dir, a.max_queue, a.max_new_tokens,
+                   a.k, a.topk, a.depth, a.budget)
