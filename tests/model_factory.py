@@ -80,3 +80,17 @@ def hf_greedy(checkpoint: Path, prompt_ids: list[int], max_new_tokens: int) -> l
         attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long), pad_token_id=0,
     )
     return out[0, len(prompt_ids):].tolist()
+
+
+def make_layer_subset_draft(target_dir: Path, out_dir: Path, layers: list[int]) -> Path:
+    """A draft that keeps some of the target's layers (shares embeddings, norm, head, tokenizer)."""
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    model.model.layers = torch.nn.ModuleList(model.model.layers[i] for i in layers)
+    model.config.num_hidden_layers = len(layers)
+    for new_idx, layer in enumerate(model.model.layers):
+        layer.self_attn.layer_idx = new_idx
+    if hasattr(model.config, "layer_types") and model.config.layer_types:
+        model.config.layer_types = [model.config.layer_types[i] for i in layers]
+    model.save_pretrained(out_dir)
+    PreTrainedTokenizerFast.from_pretrained(target_dir).save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,109 @@
+"""Start gateway, drafter and verifier as real processes (the `specdec` commands) for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.rpc import common_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2_grpc
+
+START_TIMEOUT = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, timeout: float = START_TIMEOUT, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"process for {address} exited with {proc.returncode}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} did not become SERVING within {timeout}s")
+
+
+class Cluster:
+    def __init__(self, target: Path, draft: Path | None, device: str = "cpu", dtype: str = "float64",
+                 log_dir: Path | None = None, extra: list[str] | None = None) -> None:
+        self.addr = {name: f"127.0.0.1:{free_port()}" for name in ("gateway", "verifier", "drafter")}
+        base = [sys.executable, "-m", "specdec.cli"]
+        dev = ["--device", device, "--dtype", dtype, *(extra or [])]
+        self.commands = {
+            "verifier": [*base, "verifier", "--model", str(target), "--listen", self.addr["verifier"], *dev],
+            "gateway": [*base, "gateway", "--listen", self.addr["gateway"], "--verifier", self.addr["verifier"],
+                        "--drafter", self.addr["drafter"] if draft else "none", "--target", str(target)],
+        }
+        if draft:
+            self.commands["drafter"] = [*base, "drafter", "--model", str(draft), "--listen", self.addr["drafter"], *dev]
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self) -> Cluster:
+        for name in ("verifier", "drafter", "gateway"):
+            if name in self.commands:
+                out = open(self.log_dir / f"{name}.log", "w") if self.log_dir else subprocess.DEVNULL
+                self.procs[name] = subprocess.Popen(self.commands[name], stdout=out, stderr=subprocess.STDOUT,
+                                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        wait_serving(self.addr["gateway"], proc=self.procs["gateway"])
+        self.channel = grpc.insecure_channel(self.addr["gateway"])
+        self.gateway = gateway_pb2_grpc.GatewayStub(self.channel)
+        return self
+
+    def kill(self, name: str) -> None:
+        self.procs[name].send_signal(signal.SIGKILL)
+        self.procs[name].wait()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    def info(self, name: str) -> common_pb2.ServiceInfo:
+        stub_cls = verifier_pb2_grpc.VerifierStub if name == "verifier" else drafter_pb2_grpc.DrafterStub
+        with grpc.insecure_channel(self.addr[name]) as ch:
+            return stub_cls(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=10)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, mode: str = "chain", timeout: float = 120,
+                 **spec) -> tuple[list[int], gateway_pb2.FinalInfo]:
+        req = request(prompt_ids, max_new_tokens, mode, **spec)
+        ids: list[int] = []
+        final = None
+        for msg in self.gateway.Generate(req, timeout=timeout):
+            ids += msg.token_ids
+            if msg.HasField("final"):
+                final = msg.final
+        return ids, final
+
+
+MODES = {"chain": gateway_pb2.SPEC_MODE_CHAIN, "tree": gateway_pb2.SPEC_MODE_TREE, "off": gateway_pb2.SPEC_MODE_OFF}
+
+
+def request(prompt_ids: list[int], max_new_tokens: int, mode: str = "chain", stop_at_eos: bool = False,
+            **spec) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        token_ids=gateway_pb2.TokenIdList(ids=prompt_ids), max_new_tokens=max_new_tokens,
+        stop_at_eos=stop_at_eos, speculation=gateway_pb2.SpeculationConfig(mode=MODES[mode], **spec),
+    )

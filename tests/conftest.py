@@ -1,0 +1,43 @@
+"""Shared fixtures: random checkpoints (built once per session) and running clusters."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from cluster import Cluster  # noqa: E402
+from model_factory import make_checkpoint, make_layer_subset_draft  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Targets of several shapes, and for each a one-layer draft derived from it."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    out = {}
+    for seed, shape in enumerate(["llama-gqa", "llama-tied", "qwen2-bias", "mistral"]):
+        target = make_checkpoint(root / shape, shape, seed=seed)
+        out[shape] = target
+        out[f"{shape}/draft"] = make_layer_subset_draft(target, root / f"{shape}-draft", [0])
+    return out
+
+
+@pytest.fixture(scope="module")
+def start_cluster(tmp_path_factory):
+    clusters: list[Cluster] = []
+
+    def start(target: Path, draft: Path | None, **kw) -> Cluster:
+        c = Cluster(target, draft, log_dir=tmp_path_factory.mktemp("logs"), **kw).start()
+        clusters.append(c)
+        return c
+
+    yield start
+    for c in clusters:
+        c.stop()
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
