@@ -88,7 +88,7 @@ class LlamaForCausalLM(nn.Module):
         """Run the new tokens through all layers, writing their KV into `cache`.
 
         logit_index: [B, m] positions (into n) whose logits are wanted; None = all.
-        Returns logits [B, m, V] in fp32.
+        Returns logits [B, m, V] in fp32 (fp64 for an fp64 model).
         """
         x = self.model.embed_tokens(batch.tokens)              # [B, n, h]
         cos, sin = self.model.rotary(batch.positions, x.dtype)  # [B, n, D]
@@ -97,4 +97,5 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, batch, mask, cache)
         if logit_index is not None:
             x = torch.gather(x, 1, logit_index[:, :, None].expand(-1, -1, x.shape[-1]))
-        return self.lm_head(self.model.norm(x)).float()
+        logits = self.lm_head(self.model.norm(x))
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))

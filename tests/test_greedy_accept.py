@@ -1,0 +1,51 @@
+"""kernels.greedy_accept against a brute-force walk over random trees (ragged, depth 1 included)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from kernels.greedy_accept import greedy_accept
+from specdec.tree import DraftTree, pack_trees
+
+
+def brute_force(root: int, tree: DraftTree, argmax: list[int]) -> tuple[list[int], int]:
+    path, node = [0], 0
+    while True:
+        children = [i for i, p in enumerate(tree.parents, start=1) if p == node]
+        match = next((c for c in children if tree.token_ids[c - 1] == argmax[node]), None)
+        if match is None:
+            return path, argmax[node]
+        path.append(match)
+        node = match
+
+
+def random_tree(rng: random.Random, vocab: int) -> DraftTree:
+    n = rng.choice([0, 1, 2, 5, 7, 16])
+    parents, tokens = [], []
+    for i in range(1, n + 1):
+        while True:  # siblings differ, as drafters make them
+            p = rng.randrange(0, i)
+            free = sorted(set(range(vocab)) - {tokens[j - 1] for j, q in enumerate(parents, start=1) if q == p})
+            if free:
+                break
+        tok = rng.choice(free)
+        parents.append(p)
+        tokens.append(tok)
+    return DraftTree(tokens, parents)
+
+
+def test_matches_brute_force_on_random_trees():
+    rng = random.Random(0)
+    for _ in range(50):
+        trees = [random_tree(rng, 4) for _ in range(rng.randint(1, 6))]
+        roots = [rng.randrange(4) for _ in trees]
+        packed = pack_trees(roots, trees, torch.device("cpu"))
+        n = packed.tokens.shape[1]
+        argmax = torch.randint(0, 4, (len(trees), n))
+        v = greedy_accept(packed.tokens, packed.parents, packed.depth, packed.num_nodes, argmax)
+        for b, (root, tree) in enumerate(zip(roots, trees)):
+            path, bonus = brute_force(root, tree, argmax[b].tolist())
+            assert v.path[b, : len(path)].tolist() == path
+            assert int(v.accept_len[b]) == len(path) - 1 and int(v.bonus[b]) == bonus
