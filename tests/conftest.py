@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -38,6 +37,3 @@ def start_cluster(tmp_path_factory):
     yield start
     for c in clusters:
         c.stop()
-
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
