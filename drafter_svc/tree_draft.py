@@ -58,7 +58,8 @@ def expand_trees(
         front_scores = torch.gather(torch.cat(cand_scores, 1), 1, frontier)   # [B, k]
         positions = (ctx_len - 1 + depth)[:, None].expand(b, k)
         write_pos = ctx_len[:, None] + n_fed + torch.arange(k, device=device)
-        batch = ForwardBatch.build(front_tokens, positions, slots, write_pos, ctx_len, rows_for_region(fed_ancestors, k))
+        region = fed_ancestors[:, -k:, :]  # the frontier's rows: [B, k, n_fed + k]
+        batch = ForwardBatch.build(front_tokens, positions, slots, write_pos, ctx_len, region)
         logp = torch.log_softmax(model(batch, cache), -1)                      # [B, k, V]
         child_logp, child_tok = logp.topk(k, dim=-1)                           # [B, k, k]
         child_scores = front_scores[:, :, None] + child_logp
@@ -74,11 +75,6 @@ def expand_trees(
         torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1), torch.cat(cand_scores, 1),
         torch.cat(cand_logps, 1), min(shape.budget, n_cands),
     )
-
-
-def rows_for_region(fed_ancestors: torch.Tensor, k: int) -> torch.Tensor:
-    """The last k rows of the fed-node ancestor matrix: the region mask of the frontier [B, k, F]."""
-    return fed_ancestors[:, -k:, :]
 
 
 def _select(tokens, parents, scores, logps, budget: int) -> list[DraftTree]:

@@ -33,9 +33,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             req = self.validator.validate(request)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        log = self.log.bind(request_id=req.request_id)
         r = ActiveRequest(req=req, seq_id=uuid.uuid4().hex, mode=req.spec.mode,
                           detok=IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.stop))
+        log = self.log.bind(request_id=req.request_id, seq_id=r.seq_id)
         try:
             self.scheduler.submit(r)
         except QueueFull as exc:

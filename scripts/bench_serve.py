@@ -1,0 +1,146 @@
+"""Benchmark the running system end to end through the gateway, mode off as the same-run baseline.
+
+Starts verifier, drafter and gateway (the real processes), sends the same prompts in every
+configuration at each concurrency, checks that every mode produced the same tokens as mode off
+(lossless), and prints one table row per configuration:
+output tok/s, time per output token p50/p99, time to first token p50, mean accepted length,
+overlap hit rate, and speedup vs off at the same concurrency.
+
+    python scripts/bench_serve.py --device cuda --concurrency 1 4 16 --max-new-tokens 128
+    python scripts/bench_serve.py --target DIR --draft DIR ...   (default: the embedded SmolLM2 pair)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from cluster import Cluster, request  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "Explain what a CPU cache is.",
+    "List three uses of Python.",
+    "What is the capital of France? Answer in one sentence.",
+    "Give me a recipe for pancakes.",
+    "Describe the water cycle for a ten-year-old.",
+    "Write a haiku about autumn leaves.",
+    "Summarize the plot of Romeo and Juliet.",
+]
+CONFIGS = {
+    "off": ("off", {}),
+    "chain k=2": ("chain", {"k": 2}),
+    "chain k=4": ("chain", {"k": 4}),
+    "chain k=6": ("chain", {"k": 6}),
+    "chain k=4 no-overlap": ("chain", {"k": 4, "overlap": False}),
+    "tree topk=2": ("tree", {"topk": 2, "depth": 4, "budget": 8}),
+    "tree topk=4": ("tree", {"topk": 4, "depth": 5, "budget": 16}),
+}
+
+
+def one(cluster: Cluster, prompt_ids: list[int], n: int, mode: str, spec: dict) -> dict:
+    t0 = time.perf_counter()
+    stamps, ids, final = [], [], None
+    for msg in cluster.gateway.Generate(request(prompt_ids, n, mode, stop_at_eos=False, **spec), timeout=600):
+        if msg.token_ids:
+            stamps.append(time.perf_counter())
+            ids += msg.token_ids
+        if msg.HasField("final"):
+            final = msg.final
+    end = time.perf_counter()
+    return {"ids": ids, "ttft": stamps[0] - t0, "tpot": (end - stamps[0]) / max(1, len(ids) - 1),
+            "end": end, "start": t0, "stats": final.stats}
+
+
+def run_config(cluster, prompts, n, mode, spec, concurrency) -> dict:
+    jobs = [prompts[i % len(prompts)] for i in range(max(concurrency, len(prompts)))]
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda p: one(cluster, p, n, mode, spec), jobs))
+    wall = max(r["end"] for r in results) - min(r["start"] for r in results)
+    tokens = sum(len(r["ids"]) for r in results)
+    tpots = sorted(r["tpot"] for r in results)
+    steps = sum(r["stats"].steps for r in results)
+    committed = sum(r["stats"].mean_accepted_length * r["stats"].steps for r in results)
+    hits = sum(r["stats"].overlap_hits for r in results)
+    misses = sum(r["stats"].overlap_misses for r in results)
+    return {
+        "tok_s": tokens / wall,
+        "tpot_p50_ms": 1e3 * statistics.median(tpots),
+        "tpot_p99_ms": 1e3 * tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))],
+        "ttft_p50_ms": 1e3 * statistics.median(r["ttft"] for r in results),
+        "accept_len": committed / steps if steps else 1.0,
+        "overlap_hit": hits / (hits + misses) if hits + misses else None,
+        "outputs": [r["ids"] for r in results],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target")
+    p.add_argument("--draft")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--json-out", default=None)
+    a = p.parse_args()
+    if a.target:
+        target, draft = Path(a.target), Path(a.draft)
+    else:
+        from specdec.embedded_model import ensure_embedded_models
+
+        target, draft = ensure_embedded_models()
+    dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
+    tok = AutoTokenizer.from_pretrained(target)
+    if tok.chat_template:
+        texts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                         tokenize=False) for t in PROMPTS]
+        prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    else:
+        prompts = [tok(t)["input_ids"] for t in PROMPTS]
+    cluster = Cluster(target, draft, device=a.device, dtype=dtype, extra=["--max-sequences", "64"]).start()
+    rows = []
+    try:
+        one(cluster, prompts[0], 8, "chain", {})  # warm-up (allocations, kernels)
+        total = len(a.concurrency) * len(a.configs)
+        with tqdm(total=total, desc="benchmark", file=sys.stderr) as bar:
+            for c in a.concurrency:
+                base = None
+                for name in a.configs:
+                    mode, spec = CONFIGS[name]
+                    r = run_config(cluster, prompts, a.max_new_tokens, mode, spec, c)
+                    if name == "off":
+                        base = r
+                    elif base is not None:
+                        r["lossless"] = r["outputs"] == base["outputs"]
+                    r.update(config=name, concurrency=c, speedup=r["tok_s"] / base["tok_s"] if base else None)
+                    rows.append(r)
+                    bar.update()
+    finally:
+        cluster.stop()
+    print(f"\ntarget={target.name} draft={draft.name} device={a.device} dtype={dtype} "
+          f"max_new_tokens={a.max_new_tokens}")
+    print("| C | config | tok/s | TPOT p50 ms | TPOT p99 ms | TTFT p50 ms | accept len | overlap hit | vs off | same tokens as off |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        hit = "-" if r["overlap_hit"] is None else f"{r['overlap_hit']:.2f}"
+        spd = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        print(f"| {r['concurrency']} | {r['config']} | {r['tok_s']:.1f} | {r['tpot_p50_ms']:.1f} | "
+              f"{r['tpot_p99_ms']:.1f} | {r['ttft_p50_ms']:.1f} | {r['accept_len']:.2f} | {hit} | {spd} | "
+              f"{r.get('lossless', '-')} |")
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in rows], indent=1))
+
+
+if __name__ == "__main__":
+    main()
