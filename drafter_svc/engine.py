@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 
 from drafter_svc.tree_draft import expand_trees
-from drafter_svc.types import ChainShape, Draft, DraftItem, DrafterStep, DrafterStepResult, TreeShape
+from drafter_svc.types import (
+    MAX_CHAIN_K, MAX_TREE_DEPTH, MAX_TREE_TOPK, ChainShape, Draft, DraftItem, DrafterStep, DrafterStepResult, TreeShape,
+)
 from specdec.errors import ErrorCode, SequenceError
 from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded
 from specdec.model.kv_cache import KVCache
@@ -20,8 +22,8 @@ from specdec.model.llama import LlamaForCausalLM
 from specdec.sequence_table import SequenceState, SequenceTable
 from specdec.tree import DraftTree
 
-# KV room past the context: assumed tokens (a pre-draft) plus a chain or the fed part of a tree.
-DRAFT_SLACK = 160
+# KV room past the context: assumed tokens plus a pre-draft chain (k + 1), or a tree's fed nodes.
+DRAFT_SLACK = max(2 * MAX_CHAIN_K + 1, (MAX_TREE_DEPTH - 1) * MAX_TREE_TOPK) + 1
 
 
 class DrafterEngine:
@@ -98,7 +100,8 @@ class DrafterEngine:
             state.tokens += item.append_ids
         if self.table.token_problem(item.assumed_ids or [0]):
             return SequenceError(item.seq_id, ErrorCode.INVALID, "assumed token outside the vocabulary")
-        if len(state.tokens) + len(item.assumed_ids) >= self.max_context:
+        fed = item.shape.k if isinstance(item.shape, ChainShape) else item.shape.fed_nodes
+        if len(state.tokens) + len(item.assumed_ids) + fed > self.cache.slot_len:
             return SequenceError(item.seq_id, ErrorCode.OUT_OF_CAPACITY,
                                  f"sequence reached the drafter's context limit {self.max_context}")
         return state

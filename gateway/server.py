@@ -51,7 +51,7 @@ def run_gateway(cfg: GatewayConfig) -> None:
             max_sequences = min(max_sequences, d_info.max_sequences)
             max_context = min(max_context, d_info.max_context)
         scheduler = Scheduler(verifier, drafter, max_sequences, cfg.max_queue, eos_ids(tokenizer, cfg.tokenizer_dir))
-        validator = RequestValidator(cfg, tokenizer, v_info.vocab_size, max_context)
+        validator = RequestValidator(cfg, tokenizer, v_info.vocab_size, max_context, v_info.max_draft_tokens)
         servicer.attach(validator, scheduler)
         tasks.add(asyncio.get_running_loop().create_task(scheduler.run()))
         await state.set_serving(True)

@@ -25,8 +25,9 @@ def _in_range(name: str, value: int, lo: int, hi: int) -> int:
 
 
 class RequestValidator:
-    def __init__(self, cfg: GatewayConfig, tokenizer, vocab_size: int, max_context: int) -> None:
+    def __init__(self, cfg: GatewayConfig, tokenizer, vocab_size: int, max_context: int, max_draft_tokens: int) -> None:
         self.cfg = cfg
+        self.max_draft_tokens = max_draft_tokens  # what the verifier checks per sequence and step
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_context = max_context
@@ -58,13 +59,14 @@ class RequestValidator:
         mode = MODES.get(msg.mode)
         if mode is None:
             raise InvalidRequest(f"unknown speculation mode {msg.mode}")
+        most = self.max_draft_tokens
         return SpecSettings(
             mode=mode,
-            k=_in_range("k", msg.k or c.default_k, 1, MAX_CHAIN_K),
+            k=_in_range("k", msg.k or c.default_k, 1, min(MAX_CHAIN_K, most)),
             overlap=msg.overlap if msg.HasField("overlap") else True,
             topk=_in_range("topk", msg.topk or c.default_topk, 1, MAX_TREE_TOPK),
             depth=_in_range("depth", msg.depth or c.default_depth, 1, MAX_TREE_DEPTH),
-            budget=_in_range("budget", msg.budget or c.default_budget, 1, MAX_TREE_BUDGET),
+            budget=_in_range("budget", msg.budget or c.default_budget, 1, min(MAX_TREE_BUDGET, most)),
         )
 
     def validate(self, msg: gateway_pb2.GenerateRequest) -> GenerationRequest:

