@@ -17,8 +17,7 @@ from drafter_svc.types import (
 )
 from specdec.errors import ErrorCode, SequenceError
 from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded
-from specdec.model.kv_cache import KVCache
-from specdec.model.llama import LlamaForCausalLM
+from specdec.model.runner import ModelRunner
 from specdec.sequence_table import SequenceState, SequenceTable
 from specdec.tree import DraftTree
 
@@ -27,16 +26,14 @@ DRAFT_SLACK = max(2 * MAX_CHAIN_K + 1, (MAX_TREE_DEPTH - 1) * MAX_TREE_TOPK) + 1
 
 
 class DrafterEngine:
-    def __init__(self, model: LlamaForCausalLM, max_sequences: int, max_context: int) -> None:
-        spec = model.spec
-        self.model = model
-        self.device = next(model.parameters()).device
+    def __init__(self, runner: ModelRunner, max_sequences: int, max_context: int) -> None:
+        spec = runner.spec
+        self.runner = runner
+        self.device = runner.device
         self.max_context = min(max_context, spec.max_position_embeddings)
-        self.cache = KVCache(
-            spec.num_layers, max_sequences, self.max_context + DRAFT_SLACK,
-            spec.num_kv_heads, spec.head_dim, next(model.parameters()).dtype, self.device,
-        )
-        self.table = SequenceTable(self.cache, spec.vocab_size, self.max_context)
+        self.slot_len = self.max_context + DRAFT_SLACK
+        runner.allocate_kv(max_sequences, self.slot_len)
+        self.table = SequenceTable(max_sequences, spec.vocab_size, self.max_context)
 
     @property
     def active_sequences(self) -> int:
@@ -69,7 +66,7 @@ class DrafterEngine:
         for shape in {ready[i][1].shape for i in trees}:  # one batched expansion per tree shape
             group = [i for i in trees if ready[i][1].shape == shape]
             states = [ready[i][0] for i in group]
-            drafted.update(zip(group, expand_trees(self.model, self.cache, states, shape, last_logits[group])))
+            drafted.update(zip(group, expand_trees(self.runner, states, shape, last_logits[group])))
         for i, (s, it) in enumerate(ready):
             result.drafts.append(Draft(s.seq_id, len(s.tokens), len(it.assumed_ids), drafted[i]))
         return result
@@ -101,7 +98,7 @@ class DrafterEngine:
         if self.table.token_problem(item.assumed_ids or [0]):
             return SequenceError(item.seq_id, ErrorCode.INVALID, "assumed token outside the vocabulary")
         fed = item.shape.k if isinstance(item.shape, ChainShape) else item.shape.fed_nodes
-        if len(state.tokens) + len(item.assumed_ids) + fed > self.cache.slot_len:
+        if len(state.tokens) + len(item.assumed_ids) + fed > self.slot_len:
             return SequenceError(item.seq_id, ErrorCode.OUT_OF_CAPACITY,
                                  f"sequence reached the drafter's context limit {self.max_context}")
         return state
@@ -119,7 +116,7 @@ class DrafterEngine:
         start = torch.tensor(starts, device=self.device)
         pos = start[:, None] + torch.arange(tokens.shape[1], device=self.device)
         batch = ForwardBatch.build(tokens, pos, self._slots(states), pos, start, causal_region(lengths, tokens.shape[1]))
-        return self.model(batch, self.cache, logit_index=(lengths - 1)[:, None])[:, 0]
+        return self.runner.forward(batch, logit_index=(lengths - 1)[:, None])[:, 0]
 
     def _draft_chains(self, states: list[SequenceState], ks: list[int], logits: torch.Tensor) -> list[DraftTree]:
         """Greedy chains of ks[i] tokens, one batched single-token forward per extra token."""
@@ -137,7 +134,7 @@ class DrafterEngine:
             p = (pos + t)[:, None]
             batch = ForwardBatch.build(best[:, None], p, slots, p, pos + t,
                                        torch.ones(len(states), 1, 1, dtype=torch.bool, device=self.device))
-            logits = self.model(batch, self.cache)[:, 0]
+            logits = self.runner.forward(batch)[:, 0]
         tok_rows = torch.stack(toks, 1).tolist()
         lp_rows = torch.stack(logps, 1).tolist()
         out = []

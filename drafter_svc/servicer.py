@@ -34,11 +34,12 @@ def result_to_proto(res: DrafterStepResult) -> drafter_pb2.DraftStepResponse:
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, engine: DrafterEngine, info: common_pb2.ServiceInfo, log) -> None:
+    def __init__(self, engine: DrafterEngine, info: common_pb2.ServiceInfo, log,
+                 executor: ThreadPoolExecutor) -> None:
         self.engine = engine
         self.info = info
         self.log = log
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-engine")
+        self.executor = executor  # the one thread that runs the engine (and its collectives)
         self.open_streams = 0
 
     async def Step(self, request_iterator, context: grpc.aio.ServicerContext):

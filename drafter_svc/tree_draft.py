@@ -13,15 +13,13 @@ import torch
 
 from drafter_svc.types import TreeShape
 from specdec.model.batch import ForwardBatch
-from specdec.model.kv_cache import KVCache
-from specdec.model.llama import LlamaForCausalLM
+from specdec.model.runner import ModelRunner
 from specdec.sequence_table import SequenceState
 from specdec.tree import DraftTree
 
 
 def expand_trees(
-    model: LlamaForCausalLM,
-    cache: KVCache,
+    runner: ModelRunner,
     states: list[SequenceState],
     shape: TreeShape,
     root_logits: torch.Tensor,  # [B, V] next-token logits after each context
@@ -60,7 +58,7 @@ def expand_trees(
         write_pos = ctx_len[:, None] + n_fed + torch.arange(k, device=device)
         region = fed_ancestors[:, -k:, :]  # the frontier's rows: [B, k, n_fed + k]
         batch = ForwardBatch.build(front_tokens, positions, slots, write_pos, ctx_len, region)
-        logp = torch.log_softmax(model(batch, cache), -1)                      # [B, k, V]
+        logp = torch.log_softmax(runner.forward(batch), -1)                      # [B, k, V]
         child_logp, child_tok = logp.topk(k, dim=-1)                           # [B, k, k]
         child_scores = front_scores[:, :, None] + child_logp
         cand_tokens.append(child_tok.reshape(b, k * k))

@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> None:
 
     add_generate_arguments(c)
 
+    h = sub.add_parser("health", help="exit 0 if a service's gRPC health check says SERVING (container healthcheck)")
+    h.add_argument("--address", default=env("HEALTH_ADDR", "127.0.0.1:50051"))
+    h.add_argument("--timeout", type=float, default=3.0)
+
     args = p.parse_args(argv)
     if args.command == "serve":
         from specdec.launcher import serve_all
@@ -65,6 +69,10 @@ def main(argv: list[str] | None = None) -> None:
 
         tok = args.tokenizer or args.target or str(default_models(None, None)[0])
         run_gateway(GatewayConfig.from_args(args, Path(tok)))
+    elif args.command == "health":
+        from specdec.client import check_health
+
+        sys.exit(check_health(args.address, args.timeout))
     elif args.command == "generate":
         from specdec.client import generate
 

@@ -81,3 +81,19 @@ def generate(a: argparse.Namespace) -> int:
             },
         }))
     return 0
+
+
+def check_health(address: str, timeout: float) -> int:
+    """0 when the standard grpc.health.v1 Check answers SERVING, else 1 (with the reason on stderr)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            print(f"{address}: {exc.code().name}", file=sys.stderr)
+            return 1
+    serving = resp.status == health_pb2.HealthCheckResponse.SERVING
+    if not serving:
+        print(f"{address}: {health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)}", file=sys.stderr)
+    return 0 if serving else 1

@@ -24,6 +24,7 @@ class EngineServiceConfig:
     max_sequences: int
     max_context: int
     max_draft_tokens: int
+    tp: int
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
@@ -38,10 +39,15 @@ class EngineServiceConfig:
                        help="longest prompt + output per sequence (capped by the model)")
         p.add_argument("--max-draft-tokens", type=int, default=int(env("MAX_DRAFT_TOKENS", "64")),
                        help="most draft tokens verified per sequence and step")
+        p.add_argument("--tp", type=int, default=int(env(f"{key}_TP", env("TP", "1"))),
+                       help=f"tensor-parallel ranks (env SPECDEC_{key}_TP or SPECDEC_TP): GPUs on cuda, processes on cpu")
 
     @classmethod
     def from_args(cls, a: argparse.Namespace, role: str, model_dir: Path) -> EngineServiceConfig:
-        return cls(role, model_dir, a.listen, a.device, a.dtype, a.max_sequences, a.max_context, a.max_draft_tokens)
+        if a.tp < 1:
+            raise SystemExit("--tp must be at least 1")
+        return cls(role, model_dir, a.listen, a.device, a.dtype, a.max_sequences, a.max_context,
+                   a.max_draft_tokens, a.tp)
 
 
 def add_device_arguments(p: argparse.ArgumentParser) -> None:

@@ -2,37 +2,50 @@
 
 from __future__ import annotations
 
-import torch
+from concurrent.futures import ThreadPoolExecutor
 
 from specdec.config import EngineServiceConfig
 from specdec.log import configure_logging
-from specdec.model.loader import DTYPES, load_model
+from specdec.model.parallel import TPLayout
+from specdec.model.spec import ModelSpec
 from specdec.rpc import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 from specdec.serving import run, serve
 
 
 def run_engine_service(cfg: EngineServiceConfig) -> None:
     log = configure_logging(cfg.role)
-    log.info("loading model", model=str(cfg.model_dir), device=cfg.device, dtype=cfg.dtype)
-    model = load_model(cfg.model_dir, DTYPES[cfg.dtype], torch.device(cfg.device))
+    spec = ModelSpec.from_pretrained(cfg.model_dir)
+    problem = TPLayout.problem(spec, cfg.tp) if cfg.tp > 1 else None
+    if problem:
+        raise SystemExit(f"{cfg.role}: {problem}")
+    log.info("loading model", model=str(cfg.model_dir), device=cfg.device, dtype=cfg.dtype, tp=cfg.tp)
+    from specdec.tensor_parallel import build_runner
+
+    runner = build_runner(cfg, log)
+    # Every engine call (and so every collective) runs on this one thread, shutdown included.
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{cfg.role}-engine")
     info = common_pb2.ServiceInfo(
-        role=cfg.role, model_name=cfg.model_dir.name, vocab_size=model.spec.vocab_size,
+        role=cfg.role, model_name=cfg.model_dir.name, vocab_size=spec.vocab_size,
         max_sequences=cfg.max_sequences, max_draft_tokens=cfg.max_draft_tokens, device=cfg.device, dtype=cfg.dtype,
     )
     if cfg.role == "verifier":
         from verifier_svc.engine import VerifierEngine
         from verifier_svc.servicer import VerifierServicer
 
-        engine = VerifierEngine(model, cfg.max_sequences, cfg.max_context, cfg.max_draft_tokens)
+        engine = VerifierEngine(runner, cfg.max_sequences, cfg.max_context, cfg.max_draft_tokens)
         info.max_context = engine.max_context
-        servicer = VerifierServicer(engine, info, log)
+        servicer = VerifierServicer(engine, info, log, executor)
         register = lambda server: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)  # noqa: E731
     else:
         from drafter_svc.engine import DrafterEngine
         from drafter_svc.servicer import DrafterServicer
 
-        engine = DrafterEngine(model, cfg.max_sequences, cfg.max_context)
+        engine = DrafterEngine(runner, cfg.max_sequences, cfg.max_context)
         info.max_context = engine.max_context
-        servicer = DrafterServicer(engine, info, log)
+        servicer = DrafterServicer(engine, info, log, executor)
         register = lambda server: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)  # noqa: E731
-    run(serve(cfg.listen, register, log))
+    try:
+        run(serve(cfg.listen, register, log))
+    finally:
+        executor.submit(runner.shutdown).result()
+        executor.shutdown()

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdec.errors import ErrorCode, SequenceError
-from specdec.model.kv_cache import KVCache
 
 
 @dataclass
@@ -17,8 +16,9 @@ class SequenceState:
 
 
 class SequenceTable:
-    def __init__(self, cache: KVCache, vocab_size: int, max_context: int) -> None:
-        self.cache = cache
+    def __init__(self, num_slots: int, vocab_size: int, max_context: int) -> None:
+        self.num_slots = num_slots
+        self._free_slots = list(range(num_slots - 1, -1, -1))
         self.vocab_size = vocab_size
         self.max_context = max_context
         self._seqs: dict[str, SequenceState] = {}
@@ -40,17 +40,16 @@ class SequenceTable:
                 seq_id, ErrorCode.OUT_OF_CAPACITY,
                 f"prompt has {len(tokens)} tokens; the context holds {self.max_context} (prompt + output)",
             )
-        slot = self.cache.allocate()
-        if slot is None:
-            return SequenceError(seq_id, ErrorCode.OUT_OF_CAPACITY, f"all {self.cache.num_slots} KV slots are busy")
-        state = SequenceState(seq_id, slot, list(tokens))
+        if not self._free_slots:
+            return SequenceError(seq_id, ErrorCode.OUT_OF_CAPACITY, f"all {self.num_slots} KV slots are busy")
+        state = SequenceState(seq_id, self._free_slots.pop(), list(tokens))
         self._seqs[seq_id] = state
         return state
 
     def close(self, seq_id: str) -> bool:
         state = self._seqs.pop(seq_id, None)
         if state is not None:
-            self.cache.release(state.slot)
+            self._free_slots.append(state.slot)
         return state is not None
 
     def token_problem(self, tokens: list[int]) -> str | None:

@@ -42,12 +42,14 @@ def wait_serving(address: str, timeout: float = START_TIMEOUT, proc: subprocess.
 
 class Cluster:
     def __init__(self, target: Path, draft: Path | None, device: str = "cpu", dtype: str = "float64",
-                 log_dir: Path | None = None, extra: list[str] | None = None) -> None:
+                 log_dir: Path | None = None, extra: list[str] | None = None,
+                 verifier_extra: list[str] | None = None) -> None:
         self.addr = {name: f"127.0.0.1:{free_port()}" for name in ("gateway", "verifier", "drafter")}
         base = [sys.executable, "-m", "specdec.cli"]
         dev = ["--device", device, "--dtype", dtype, *(extra or [])]
         self.commands = {
-            "verifier": [*base, "verifier", "--model", str(target), "--listen", self.addr["verifier"], *dev],
+            "verifier": [*base, "verifier", "--model", str(target), "--listen", self.addr["verifier"], *dev,
+                         *(verifier_extra or [])],
             "gateway": [*base, "gateway", "--listen", self.addr["gateway"], "--verifier", self.addr["verifier"],
                         "--drafter", self.addr["drafter"] if draft else "none", "--target", str(target)],
         }

@@ -10,10 +10,11 @@ from transformers import AutoModelForCausalLM
 from drafter_svc.engine import DrafterEngine
 from drafter_svc.types import ChainShape, DraftItem, DrafterStep, TreeShape
 from specdec.model.loader import load_model
+from specdec.model.runner import ModelRunner
 
 
 def engine(path) -> DrafterEngine:
-    return DrafterEngine(load_model(path, torch.float64, torch.device("cpu")), max_sequences=4, max_context=128)
+    return DrafterEngine(ModelRunner(load_model(path, torch.float64, torch.device("cpu"))), max_sequences=4, max_context=128)
 
 
 def test_tree_nodes_score_their_paths(checkpoints):

@@ -11,25 +11,22 @@ import torch
 from kernels.greedy_accept import greedy_accept
 from specdec.errors import ErrorCode, SequenceError
 from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded
-from specdec.model.kv_cache import KVCache
-from specdec.model.llama import LlamaForCausalLM
+from specdec.model.runner import ModelRunner
 from specdec.sequence_table import SequenceState, SequenceTable
 from specdec.tree import pack_trees
 from verifier_svc.types import Verdict, VerifierStep, VerifierStepResult, VerifyItem
 
 
 class VerifierEngine:
-    def __init__(self, model: LlamaForCausalLM, max_sequences: int, max_context: int, max_draft_tokens: int) -> None:
-        spec = model.spec
-        self.model = model
-        self.device = next(model.parameters()).device
+    def __init__(self, runner: ModelRunner, max_sequences: int, max_context: int, max_draft_tokens: int) -> None:
+        spec = runner.spec
+        self.runner = runner
+        self.spec = spec
+        self.device = runner.device
         self.max_context = min(max_context, spec.max_position_embeddings)
         self.max_draft_tokens = max_draft_tokens
-        self.cache = KVCache(
-            spec.num_layers, max_sequences, self.max_context + max_draft_tokens + 1,
-            spec.num_kv_heads, spec.head_dim, next(model.parameters()).dtype, self.device,
-        )
-        self.table = SequenceTable(self.cache, spec.vocab_size, self.max_context)
+        runner.allocate_kv(max_sequences, self.max_context + max_draft_tokens + 1)
+        self.table = SequenceTable(max_sequences, spec.vocab_size, self.max_context)
 
     @property
     def active_sequences(self) -> int:
@@ -71,7 +68,7 @@ class VerifierEngine:
                 item.seq_id, ErrorCode.STALE,
                 f"verify item for committed length {item.committed_len}, sequence has {len(state.tokens)}",
             )
-        problem = item.draft.problem(self.model.spec.vocab_size, self.max_draft_tokens)
+        problem = item.draft.problem(self.spec.vocab_size, self.max_draft_tokens)
         if problem:
             return SequenceError(item.seq_id, ErrorCode.INVALID, problem)
         if len(state.tokens) >= self.max_context:
@@ -86,7 +83,7 @@ class VerifierEngine:
             tokens, positions, self._slots(states), positions,
             torch.zeros_like(lengths), causal_region(lengths, n),
         )
-        logits = self.model(batch, self.cache, logit_index=(lengths - 1)[:, None])  # [B, 1, V]
+        logits = self.runner.forward(batch, logit_index=(lengths - 1)[:, None])  # [B, 1, V]
         first = logits[:, 0].argmax(-1).tolist()
         for s, tok in zip(states, first):
             s.tokens.append(tok)
@@ -102,14 +99,14 @@ class VerifierEngine:
             trees.tokens, kv_start[:, None] + trees.depth, slots,
             kv_start[:, None] + torch.arange(n, device=self.device), kv_start, trees.ancestors,
         )
-        target_argmax = self.model(batch, self.cache).argmax(-1)  # [B, n]
+        target_argmax = self.runner.forward(batch).argmax(-1)  # [B, n]
         verdict = greedy_accept(trees.tokens, trees.parents, trees.depth, trees.num_nodes, target_argmax)
         # Compact the accepted path's KV entries into a dense prefix (a no-op for chains).
         dense = torch.arange(verdict.path.shape[1], device=self.device)[None, :]
         on_path = verdict.path >= 0
         if bool((on_path & (verdict.path != dense)).any()):
             src = kv_start[:, None] + torch.where(on_path, verdict.path, dense)
-            self.cache.move(slots, src, kv_start[:, None] + dense)
+            self.runner.move(slots, src, kv_start[:, None] + dense)
         accepted = torch.gather(trees.tokens, 1, verdict.path.clamp(min=0))[:, 1:]  # [B, D]
         accepted_rows = accepted.tolist()
         out = []

@@ -35,11 +35,12 @@ def result_to_proto(res: VerifierStepResult) -> verifier_pb2.VerifyStepResponse:
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, engine: VerifierEngine, info: common_pb2.ServiceInfo, log) -> None:
+    def __init__(self, engine: VerifierEngine, info: common_pb2.ServiceInfo, log,
+                 executor: ThreadPoolExecutor) -> None:
         self.engine = engine
         self.info = info
         self.log = log
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-engine")
+        self.executor = executor  # the one thread that runs the engine (and its collectives)
         self.open_streams = 0
 
     async def Step(self, request_iterator, context: grpc.aio.ServicerContext):

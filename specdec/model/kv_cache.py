@@ -2,6 +2,7 @@
 
 Rollback is free (a sequence's valid length lives with its owner; stale entries past it are
 simply overwritten), and tree compaction moves the accepted path's entries to a dense prefix.
+Slots are handed out by the engine's SequenceTable.
 """
 
 from __future__ import annotations
@@ -21,21 +22,11 @@ class KVCache:
         device: torch.device,
     ) -> None:
         shape = (num_layers, num_slots, slot_len, num_kv_heads, head_dim)
+        # Zeros, not empty: masked keys still enter the attention product, and 0 * NaN = NaN.
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, S, T, Hkv, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_slots = num_slots
         self.slot_len = slot_len
-        self._free = list(range(num_slots - 1, -1, -1))
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int | None:
-        return self._free.pop() if self._free else None
-
-    def release(self, slot: int) -> None:
-        self._free.append(slot)
 
     def write(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots: [B]; pos: [B, n]; k, v: [B, n, Hkv, D]

@@ -12,14 +12,17 @@ from torch.nn import functional as F
 from specdec.model.batch import ForwardBatch
 from specdec.model.kv_cache import KVCache
 from specdec.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from specdec.model.parallel import TPLayout, all_reduce, gather_vocab
 from specdec.model.spec import ModelSpec
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+    """Self-attention over this rank's heads; o_proj is row-parallel (all-reduced by the caller)."""
+
+    def __init__(self, spec: ModelSpec, layout: TPLayout, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = layout.heads, layout.kv_heads, spec.head_dim
         h = spec.hidden_size
         self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=spec.qkv_bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
@@ -53,34 +56,36 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+    def __init__(self, spec: ModelSpec, layout: TPLayout, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, layer_idx)
-        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
+        self.layout = layout
+        self.self_attn = Attention(spec, layout, layer_idx)
+        self.mlp = GatedMLP(spec.hidden_size, layout.intermediate, spec.mlp_bias)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, x, cos, sin, batch, mask, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + all_reduce(self.self_attn(self.input_layernorm(x), cos, sin, batch, mask, cache), self.layout)
+        return x + all_reduce(self.mlp(self.post_attention_layernorm(x)), self.layout)
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, layout: TPLayout) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)  # replicated on every rank
+        self.layers = nn.ModuleList(DecoderLayer(spec, layout, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(*spec.rope_inv_freq())
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, layout: TPLayout | None = None) -> None:
         super().__init__()
         self.spec = spec
-        self.model = DecoderModel(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        if spec.tie_word_embeddings:
+        self.layout = layout or TPLayout.single(spec)
+        self.model = DecoderModel(spec, self.layout)
+        self.lm_head = nn.Linear(spec.hidden_size, self.layout.vocab_shard, bias=False)  # vocabulary-parallel
+        if spec.tie_word_embeddings and self.layout.world == 1:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
@@ -97,5 +102,5 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, batch, mask, cache)
         if logit_index is not None:
             x = torch.gather(x, 1, logit_index[:, :, None].expand(-1, -1, x.shape[-1]))
-        logits = self.lm_head(self.model.norm(x))
+        logits = gather_vocab(self.lm_head(self.model.norm(x)), self.layout, self.spec.vocab_size)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))

@@ -1,0 +1,90 @@
+"""ModelRunner: the model and its KV cache behind the three calls engines make.
+
+With tensor parallelism, rank 0's runner (TPLeader) broadcasts each call as a small command over
+the collective backend before running its own shard; the other ranks run `follow`, executing
+the same commands on their shards. Tensors move only through torch.distributed.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from specdec.model.batch import ForwardBatch
+from specdec.model.kv_cache import KVCache
+from specdec.model.llama import LlamaForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        self.spec = model.spec
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.cache: KVCache | None = None
+
+    def allocate_kv(self, num_slots: int, slot_len: int) -> None:
+        layout = self.model.layout
+        self.cache = KVCache(self.spec.num_layers, num_slots, slot_len, layout.kv_heads, self.spec.head_dim,
+                             self.dtype, self.device)
+
+    def forward(self, batch: ForwardBatch, logit_index: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(batch, self.cache, logit_index)
+
+    def move(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.cache.move(slots, src, dst)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class TPLeader(ModelRunner):
+    """Rank 0: tells the other ranks what to run, then runs its own shard."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        super().__init__(model)
+        self.stopping = threading.Event()  # set before the other ranks are told to exit
+
+    def _broadcast(self, *command) -> None:
+        payload = [tuple(x.cpu() if isinstance(x, torch.Tensor) else x for x in command)]
+        dist.broadcast_object_list(payload, src=0)
+
+    def allocate_kv(self, num_slots: int, slot_len: int) -> None:
+        self._broadcast("allocate_kv", num_slots, slot_len)
+        super().allocate_kv(num_slots, slot_len)
+
+    def forward(self, batch: ForwardBatch, logit_index: torch.Tensor | None = None) -> torch.Tensor:
+        b = batch
+        self._broadcast("forward", b.tokens, b.positions, b.slots, b.write_pos, b.prefix_len, b.region_mask,
+                        b.kv_len, logit_index)
+        return super().forward(batch, logit_index)
+
+    def move(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self._broadcast("move", slots, src, dst)
+        super().move(slots, src, dst)
+
+    def shutdown(self) -> None:
+        self.stopping.set()
+        self._broadcast("stop")
+
+
+def follow(runner: ModelRunner) -> None:
+    """Ranks > 0: execute rank 0's commands until it says stop."""
+    while True:
+        payload = [None]
+        dist.broadcast_object_list(payload, src=0)
+        name, *args = payload[0]
+        args = [a.to(runner.device) if isinstance(a, torch.Tensor) else a for a in args]
+        if name == "stop":
+            return
+        if name == "allocate_kv":
+            runner.allocate_kv(*args)
+        elif name == "forward":
+            *fields, logit_index = args
+            runner.forward(ForwardBatch(*fields), logit_index)
+        elif name == "move":
+            runner.move(*args)
+        else:
+            raise RuntimeError(f"unknown tensor-parallel command {name!r}")
