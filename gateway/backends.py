@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from specdec.rpc import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
@@ -31,7 +33,8 @@ class StepStream:
                 self.call = self.stub.Step()
             await self.call.write(msg)
             resp = await self.call.read()
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError) as exc:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, ConnectionError) as exc:
+            # InvalidStateError: writing to a call the server already ended
             self.call = None
             raise BackendLost(f"{self.role} at {self.address}: {exc}") from exc
         if resp is grpc.aio.EOF:

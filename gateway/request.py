@@ -71,6 +71,8 @@ class ActiveRequest:
     detok: object                              # IncrementalDetokenizer
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     tokens: list[int] = field(default_factory=list)  # committed: prompt + generated
+    verifier: str = ""                          # replica address this request is pinned to
+    drafter: str | None = None                  # drafter replica address (None: no speculation)
     drafter_len: int = 0                        # committed tokens the drafter has been sent
     draft: DraftTree | None = None              # ready for the next verify, made from len(tokens)
     predraft: DraftTree | None = None           # chain overlap: made assuming the in-flight draft passes

@@ -1,17 +1,19 @@
-"""The gateway's step loop: all active requests of one drafter/verifier pair advance together.
+"""The step loop of one verifier replica: all its active requests advance together.
 
 Each step: admit waiting requests (the verifier prefills them), get drafts for sequences that
-have none (synchronously), then send one batched verify step; in chain mode with overlap the
-drafter pre-drafts step t+1 at the same time, assuming the draft under verification passes. A
-pre-draft is used only if the verdict accepted the whole draft and the bonus token equals the
-pre-draft's first token; otherwise it is dropped. Losing the drafter turns every request into
-plain decoding (same tokens, lossless); losing the verifier fails the requests with UNAVAILABLE.
+have none (synchronously, from each request's pinned drafter replica), then send one batched
+verify step; in chain mode with overlap the drafters pre-draft step t+1 at the same time,
+assuming the draft under verification passes. A pre-draft is used only if the verdict accepted
+the whole draft and the bonus token equals the pre-draft's first token; otherwise it is dropped.
+Losing a drafter turns its requests into plain decoding (same tokens, lossless); losing the
+verifier fails this scheduler's requests with UNAVAILABLE.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import defaultdict, deque
+from collections.abc import Callable
 
 import structlog
 
@@ -22,36 +24,39 @@ from specdec.rpc import drafter_pb2, verifier_pb2
 from specdec.rpc.convert import error_from_proto, tree_from_proto, tree_to_proto
 from specdec.tree import DraftTree
 
-DRAFTER_RETRY_SECONDS = 5.0
-
 
 class QueueFull(RuntimeError):
     pass
 
 
 class Scheduler:
-    def __init__(self, verifier: StepStream, drafter: StepStream | None, max_sequences: int,
-                 max_queue: int, eos_ids: set[int]) -> None:
+    def __init__(self, verifier: StepStream, max_sequences: int, max_queue: int, eos_ids: set[int],
+                 on_done: Callable[[ActiveRequest], None] = lambda r: None,
+                 on_lost: Callable[[str, str], None] = lambda role, address: None) -> None:
         self.verifier = verifier
-        self.drafter_backend = drafter        # configured drafter, kept for reconnects
-        self.drafter = drafter                # None while lost or not configured
         self.max_sequences = max_sequences
         self.max_queue = max_queue
         self.eos_ids = eos_ids
+        self.on_done = on_done      # a request left this scheduler (router bookkeeping)
+        self.on_lost = on_lost      # a backend stream broke (router marks the replica down)
+        self.drafters: dict[str, StepStream] = {}  # this scheduler's stream to each drafter replica
         self.pending: deque[ActiveRequest] = deque()
         self.active: dict[str, ActiveRequest] = {}
         self.close_verifier: list[str] = []
-        self.close_drafter: list[str] = []
+        self.close_drafter: dict[str, list[str]] = defaultdict(list)
         self.wakeup = asyncio.Event()
         self.step_no = 0
-        self.drafter_lost_at: float | None = None
-        self.log = structlog.get_logger(service="gateway")
+        self.log = structlog.get_logger(service="gateway", verifier=verifier.address)
 
-    # ---- called by the RPC handlers -------------------------------------------------------
+    @property
+    def load(self) -> int:
+        return len(self.active) + len(self.pending)
+
+    # ---- called by the router ----------------------------------------------------------------
     def submit(self, r: ActiveRequest) -> None:
         if len(self.pending) >= self.max_queue:
             raise QueueFull(f"{len(self.pending)} requests are already waiting; retry later")
-        if r.mode != Mode.OFF and self.drafter is None:
+        if r.drafter is None:
             r.mode = Mode.OFF
         self.pending.append(r)
         self.wakeup.set()
@@ -60,10 +65,10 @@ class Scheduler:
         r.cancelled = True
         self.wakeup.set()
 
-    # ---- the loop -------------------------------------------------------------------------
+    # ---- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:
         while True:
-            if not (self.active or self.pending or self.close_verifier or self.close_drafter):
+            if not (self.active or self.pending or self.close_verifier or any(self.close_drafter.values())):
                 self.wakeup.clear()
                 await self.wakeup.wait()
                 continue
@@ -72,6 +77,7 @@ class Scheduler:
             except BackendLost as exc:
                 self.log.error("verifier lost; failing its requests", error=str(exc))
                 self.verifier.reset()
+                self.on_lost("verifier", self.verifier.address)
                 self._fail_all("UNAVAILABLE", f"the verifier became unavailable: {exc}")
             except Exception as exc:  # a bug: fail loudly, keep serving
                 self.log.exception("step failed")
@@ -85,11 +91,9 @@ class Scheduler:
             self._retire(r)
         opens = self._admit()
         continuing = [r for r in self.active.values() if r not in opens]
-        await self._maybe_reconnect_drafter()
-        if self.drafter is not None:
-            need = [r for r in continuing if r.mode != Mode.OFF and r.draft is None]
-            if need:
-                await self._draft(need, predraft=False)
+        need = [r for r in continuing if r.mode != Mode.OFF and r.draft is None]
+        if need:
+            await self._draft_all(need, predraft=False)
 
         verify_msg = verifier_pb2.VerifyStepRequest(
             step=self.step_no,
@@ -100,10 +104,7 @@ class Scheduler:
         )
         self.close_verifier = []
         overlap = [r for r in continuing if r.mode == Mode.CHAIN and r.req.spec.overlap and r.draft]
-        if self.drafter is not None and (overlap or self.close_drafter):
-            verdicts, _ = await asyncio.gather(self.verifier.step(verify_msg), self._draft(overlap, predraft=True))
-        else:
-            verdicts = await self.verifier.step(verify_msg)
+        verdicts, _ = await asyncio.gather(self.verifier.step(verify_msg), self._draft_all(overlap, predraft=True))
         self._apply_verdicts(verdicts)
 
     def _admit(self) -> list[ActiveRequest]:
@@ -111,14 +112,25 @@ class Scheduler:
         while self.pending and len(self.active) < self.max_sequences:
             r = self.pending.popleft()
             if r.cancelled:
+                self.on_done(r)
                 continue
             r.tokens = list(r.req.prompt_ids)
             self.active[r.seq_id] = r
             opens.append(r)
         return opens
 
-    # ---- drafting -------------------------------------------------------------------------
-    async def _draft(self, reqs: list[ActiveRequest], predraft: bool) -> None:
+    # ---- drafting ----------------------------------------------------------------------------
+    async def _draft_all(self, reqs: list[ActiveRequest], predraft: bool) -> None:
+        """One draft step on every drafter replica that has work (or closes) pending, concurrently."""
+        groups: dict[str, list[ActiveRequest]] = defaultdict(list)
+        for r in reqs:
+            groups[r.drafter].append(r)
+        for address, closes in self.close_drafter.items():
+            if closes:
+                groups.setdefault(address, [])
+        await asyncio.gather(*(self._draft(address, group, predraft) for address, group in groups.items()))
+
+    async def _draft(self, address: str, reqs: list[ActiveRequest], predraft: bool) -> None:
         items = []
         for r in reqs:
             spec = r.req.spec
@@ -133,12 +145,13 @@ class Scheduler:
                 item.chain.k = spec.k
             r.drafter_len = len(r.tokens)
             items.append(item)
-        msg = drafter_pb2.DraftStepRequest(step=self.step_no * 2 + int(predraft), items=items, close=self.close_drafter)
-        self.close_drafter = []
+        msg = drafter_pb2.DraftStepRequest(step=self.step_no * 2 + int(predraft), items=items,
+                                           close=self.close_drafter.pop(address, []))
+        stream = self.drafters.get(address) or self.drafters.setdefault(address, StepStream("drafter", address))
         try:
-            resp = await self.drafter.step(msg)
+            resp = await stream.step(msg)
         except BackendLost as exc:
-            self._drafter_lost(str(exc))
+            self._drafter_lost(address, str(exc))
             return
         by_id = {r.seq_id: r for r in reqs}
         for err in map(error_from_proto, resp.errors):
@@ -157,37 +170,21 @@ class Scheduler:
                 r.draft = tree_from_proto(d.tree)
 
     def _stop_speculating(self, r: ActiveRequest) -> None:
-        r.mode, r.draft, r.predraft = Mode.OFF, None, None
         if r.drafter_len:
-            self.close_drafter.append(r.seq_id)
-            r.drafter_len = 0
+            self.close_drafter[r.drafter].append(r.seq_id)
+        r.mode, r.draft, r.predraft, r.drafter_len = Mode.OFF, None, None, 0
 
-    def _drafter_lost(self, reason: str) -> None:
-        ids = [r.req.request_id for r in self.active.values() if r.mode != Mode.OFF]
-        self.log.error("drafter lost; its requests finish in mode off", error=reason, request_ids=ids)
-        self.drafter.reset()
-        self.drafter = None
-        self.drafter_lost_at = asyncio.get_running_loop().time()
-        self.close_drafter = []
-        for r in self.active.values():  # a draft already made stays valid and is still verified
+    def _drafter_lost(self, address: str, reason: str) -> None:
+        affected = [r for r in self.active.values() if r.drafter == address]
+        self.log.error("drafter lost; its requests finish in mode off", drafter=address, error=reason,
+                       request_ids=[r.req.request_id for r in affected])
+        self.drafters.pop(address).reset()
+        self.close_drafter.pop(address, None)
+        self.on_lost("drafter", address)
+        for r in affected:  # a draft already made stays valid and is still verified
             r.mode, r.predraft, r.drafter_len = Mode.OFF, None, 0
 
-    async def _maybe_reconnect_drafter(self) -> None:
-        """After a loss, try the drafter again now and then; new requests use it once it is back."""
-        if self.drafter is not None or self.drafter_backend is None or self.drafter_lost_at is None:
-            return
-        now = asyncio.get_running_loop().time()
-        if now - self.drafter_lost_at < DRAFTER_RETRY_SECONDS:
-            return
-        self.drafter_lost_at = now
-        try:
-            await self.drafter_backend.info(timeout=1.0)
-        except Exception:  # noqa: BLE001 - still down
-            return
-        self.log.info("drafter is back; new requests speculate again")
-        self.drafter = self.drafter_backend
-
-    # ---- verdicts -------------------------------------------------------------------------
+    # ---- verdicts ----------------------------------------------------------------------------
     def _apply_verdicts(self, resp: verifier_pb2.VerifyStepResponse) -> None:
         for err in map(error_from_proto, resp.errors):
             r = self.active.get(err.seq_id)
@@ -244,12 +241,13 @@ class Scheduler:
         if new or finish:
             r.events.put_nowait(Event(token_ids=new, text=text, finish_reason=finish))
 
-    # ---- endings --------------------------------------------------------------------------
+    # ---- endings -----------------------------------------------------------------------------
     def _retire(self, r: ActiveRequest) -> None:
         if self.active.pop(r.seq_id, None) is not None:
             self.close_verifier.append(r.seq_id)
-            if r.drafter_len and self.drafter is not None:
-                self.close_drafter.append(r.seq_id)
+            if r.drafter_len and r.drafter in self.drafters:
+                self.close_drafter[r.drafter].append(r.seq_id)
+            self.on_done(r)
 
     def _fail(self, r: ActiveRequest, status: str, message: str) -> None:
         r.finished = True
@@ -260,6 +258,11 @@ class Scheduler:
         for r in list(self.active.values()) + list(self.pending):
             r.finished = True
             r.events.put_nowait(Event(error=(status, message)))
+            self.on_done(r)
         self.active.clear()
         self.pending.clear()
-        self.close_verifier = []  # the verifier stream was reset: it freed them itself
+        # Both ends free these sequences when their streams end: reset instead of closing one by one.
+        self.close_verifier = []
+        self.close_drafter.clear()
+        for stream in self.drafters.values():
+            stream.reset()

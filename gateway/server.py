@@ -1,4 +1,4 @@
-"""Gateway process: tokenizer, connections to the drafter and verifier, the scheduler, gRPC."""
+"""Gateway process: tokenizer, replica routing over the drafters and verifiers, gRPC."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import json
 
 from transformers import AutoTokenizer
 
-from gateway.backends import StepStream
-from gateway.scheduler import Scheduler
+from gateway.router import Router
 from gateway.servicer import GatewayServicer
 from gateway.validation import RequestValidator
 from specdec.config import GatewayConfig
@@ -32,31 +31,19 @@ def run_gateway(cfg: GatewayConfig) -> None:
     log = configure_logging("gateway")
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.tokenizer_dir))
     servicer = GatewayServicer(tokenizer)
-    tasks: set[asyncio.Task] = set()  # keeps the scheduler task referenced
+    tasks: set[asyncio.Task] = set()  # keeps the router's refresh task referenced
 
     async def on_start(state: ServingState) -> None:
         await state.set_serving(False)
-        # grpc.aio channels belong to the running event loop: create them here.
-        verifier = StepStream("verifier", cfg.verifier)
-        drafter = StepStream("drafter", cfg.drafter) if cfg.drafter else None
+        router = Router(cfg.verifier, cfg.drafter, cfg.max_queue, eos_ids(tokenizer, cfg.tokenizer_dir))
         log.info("waiting for backends", verifier=cfg.verifier, drafter=cfg.drafter)
-        v_info = await verifier.info(timeout=BACKEND_WAIT_SECONDS, wait=True)
-        max_sequences, max_context = v_info.max_sequences, v_info.max_context
-        if drafter is not None:
-            d_info = await drafter.info(timeout=BACKEND_WAIT_SECONDS, wait=True)
-            if d_info.vocab_size != v_info.vocab_size:
-                raise SystemExit(
-                    f"draft vocabulary ({d_info.vocab_size}) differs from the target's ({v_info.vocab_size}): "
-                    "the draft model must share the target's tokenizer")
-            max_sequences = min(max_sequences, d_info.max_sequences)
-            max_context = min(max_context, d_info.max_context)
-        scheduler = Scheduler(verifier, drafter, max_sequences, cfg.max_queue, eos_ids(tokenizer, cfg.tokenizer_dir))
-        validator = RequestValidator(cfg, tokenizer, v_info.vocab_size, max_context, v_info.max_draft_tokens)
-        servicer.attach(validator, scheduler)
-        tasks.add(asyncio.get_running_loop().create_task(scheduler.run()))
+        await router.wait_ready(BACKEND_WAIT_SECONDS)
+        max_context, max_draft_tokens = router.limits()
+        servicer.attach(RequestValidator(cfg, tokenizer, router.vocab_size, max_context, max_draft_tokens), router)
+        tasks.add(asyncio.get_running_loop().create_task(router.run(cfg.resolve_interval)))
         await state.set_serving(True)
-        log.info("backends ready", max_sequences=max_sequences, max_context=max_context)
+        log.info("backends ready", verifiers=len(router.verifiers.healthy()),
+                 drafters=len(router.drafters.healthy()) if router.drafters else 0, max_context=max_context)
         print(f"gateway listening on {cfg.listen}", flush=True)
 
     run(serve(cfg.listen, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s), log, on_start))
-

@@ -9,25 +9,26 @@ import structlog
 
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.request import ActiveRequest, InvalidRequest
-from gateway.scheduler import QueueFull, Scheduler
+from gateway.router import NoBackend, Router
+from gateway.scheduler import QueueFull
 from gateway.validation import RequestValidator
 from specdec.rpc import gateway_pb2, gateway_pb2_grpc
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    """Answers UNAVAILABLE until `attach` hands it the connected backends' scheduler."""
+    """Answers UNAVAILABLE until `attach` hands it the router over the connected backends."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.validator: RequestValidator | None = None
-        self.scheduler: Scheduler | None = None
+        self.router: Router | None = None
         self.log = structlog.get_logger(service="gateway")
 
-    def attach(self, validator: RequestValidator, scheduler: Scheduler) -> None:
-        self.validator, self.scheduler = validator, scheduler
+    def attach(self, validator: RequestValidator, router: Router) -> None:
+        self.validator, self.router = validator, router
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        if self.scheduler is None:
+        if self.router is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the gateway is still connecting to its backends")
         try:
             req = self.validator.validate(request)
@@ -37,11 +38,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                           detok=IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.stop))
         log = self.log.bind(request_id=req.request_id, seq_id=r.seq_id)
         try:
-            self.scheduler.submit(r)
+            scheduler = self.router.submit(r)
         except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except NoBackend as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         log.info("request started", prompt_tokens=len(req.prompt_ids), mode=r.mode.value,
-                 max_new_tokens=req.max_new_tokens)
+                 max_new_tokens=req.max_new_tokens, verifier=r.verifier, drafter=r.drafter)
         try:
             while True:
                 ev = await r.events.get()
@@ -58,7 +61,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 yield msg
         finally:
             if not r.finished:  # client cancel or deadline: free the sequence everywhere
-                self.scheduler.cancel(r)
+                scheduler.cancel(r)
 
     @staticmethod
     def _final(r: ActiveRequest, reason: str) -> gateway_pb2.FinalInfo:

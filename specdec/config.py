@@ -77,13 +77,18 @@ class GatewayConfig:
     default_topk: int
     default_depth: int
     default_budget: int
+    resolve_interval: float
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument("--listen", default=env("GATEWAY_LISTEN", "127.0.0.1:50051"))
-        p.add_argument("--verifier", default=env("VERIFIER_ADDR", "127.0.0.1:50061"))
+        p.add_argument("--verifier", default=env("VERIFIER_ADDR", "127.0.0.1:50061"),
+                       help="verifier replicas: HOST:PORT[,HOST:PORT...]; a name resolving to several IPs "
+                            "counts as several replicas")
         p.add_argument("--drafter", default=env("DRAFTER_ADDR", "127.0.0.1:50062"),
-                       help="drafter address; 'none' serves mode off only")
+                       help="drafter replicas, as --verifier; 'none' serves mode off only")
+        p.add_argument("--resolve-interval", type=float, default=float(env("RESOLVE_INTERVAL", "5")),
+                       help="seconds between re-resolving replica names and health checks")
         p.add_argument("--tokenizer", default=env("TOKENIZER"),
                        help="tokenizer directory (default: the target checkpoint)")
         p.add_argument("--target", default=env("TARGET_MODEL"), help="target checkpoint (for its tokenizer)")
@@ -100,4 +105,4 @@ class GatewayConfig:
     def from_args(cls, a: argparse.Namespace, tokenizer_dir: Path) -> GatewayConfig:
         drafter = None if (a.drafter or "none").lower() == "none" else a.drafter
         return cls(a.listen, a.verifier, drafter, tokenizer_dir, a.max_queue, a.max_new_tokens,
-                   a.k, a.topk, a.depth, a.budget)
+                   a.k, a.topk, a.depth, a.budget, a.resolve_interval)

@@ -20,6 +20,7 @@ class SequenceTable:
         self.num_slots = num_slots
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self.vocab_size = vocab_size
+        self.opened = 0  # sequences opened since start
         self.max_context = max_context
         self._seqs: dict[str, SequenceState] = {}
 
@@ -43,6 +44,7 @@ class SequenceTable:
         if not self._free_slots:
             return SequenceError(seq_id, ErrorCode.OUT_OF_CAPACITY, f"all {self.num_slots} KV slots are busy")
         state = SequenceState(seq_id, self._free_slots.pop(), list(tokens))
+        self.opened += 1
         self._seqs[seq_id] = state
         return state
 

@@ -28,10 +28,6 @@ class VerifierEngine:
         runner.allocate_kv(max_sequences, self.max_context + max_draft_tokens + 1)
         self.table = SequenceTable(max_sequences, spec.vocab_size, self.max_context)
 
-    @property
-    def active_sequences(self) -> int:
-        return len(self.table)
-
     def close(self, seq_ids: list[str]) -> None:
         for sid in seq_ids:
             self.table.close(sid)

@@ -1,0 +1,106 @@
+"""Routes requests across verifier and drafter replicas.
+
+Each healthy verifier replica gets its own Scheduler (batched step loop). A request is pinned
+for its lifetime to the least-loaded healthy verifier and the least-loaded healthy drafter
+(their KV caches hold its state). Replica sets are re-resolved and health-checked periodically;
+a replica whose stream breaks is marked down at once and used again once healthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from gateway.backends import StepStream
+from gateway.replicas import Replica, ReplicaSet
+from gateway.request import ActiveRequest, Mode
+from gateway.scheduler import QueueFull, Scheduler
+
+
+class NoBackend(RuntimeError):
+    """No healthy verifier replica: the request gets UNAVAILABLE."""
+
+
+class Router:
+    def __init__(self, verifier_spec: str, drafter_spec: str | None, max_queue: int, eos_ids: set[int]) -> None:
+        self.verifiers = ReplicaSet("verifier", verifier_spec)
+        self.drafters = ReplicaSet("drafter", drafter_spec) if drafter_spec else None
+        self.max_queue = max_queue
+        self.eos_ids = eos_ids
+        self.schedulers: dict[str, Scheduler] = {}
+        self.vocab_size: int | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.log = structlog.get_logger(service="gateway")
+
+    async def wait_ready(self, timeout: float, poll: float = 0.5) -> None:
+        """Until one verifier (and, if configured, one drafter) answers SERVING."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            await self.refresh()
+            if self.verifiers.healthy() and (self.drafters is None or self.drafters.healthy()):
+                return
+            if loop.time() > deadline:
+                raise TimeoutError(f"no healthy verifier{' and drafter' if self.drafters else ''} after {timeout:.0f}s")
+            await asyncio.sleep(poll)
+
+    async def refresh(self) -> None:
+        sets = [self.verifiers] + ([self.drafters] if self.drafters else [])
+        await asyncio.gather(*(s.refresh() for s in sets))
+        for replica in [r for s in sets for r in s.healthy()]:
+            if self.vocab_size is None:
+                self.vocab_size = replica.info.vocab_size
+            elif replica.info.vocab_size != self.vocab_size:
+                self.log.error("replica has another vocabulary; not used", role=replica.role,
+                               address=replica.address, vocab_size=replica.info.vocab_size, expected=self.vocab_size)
+                replica.healthy = False
+        for replica in self.verifiers.healthy():
+            if replica.address not in self.schedulers:
+                self._start_scheduler(replica)
+
+    async def run(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.refresh()
+            except Exception:  # keep routing with what we know
+                self.log.exception("replica refresh failed")
+
+    def limits(self) -> tuple[int, int]:
+        """(max_context, max_draft_tokens) that every healthy replica accepts."""
+        infos = [r.info for s in (self.verifiers, self.drafters) if s for r in s.healthy()]
+        v_infos = [r.info for r in self.verifiers.healthy()]
+        return min(i.max_context for i in infos), min(i.max_draft_tokens for i in v_infos)
+
+    def _start_scheduler(self, replica: Replica) -> None:
+        sched = Scheduler(StepStream("verifier", replica.address), replica.info.max_sequences, self.max_queue,
+                          self.eos_ids, on_done=self._on_done, on_lost=self._on_lost)
+        self.schedulers[replica.address] = sched
+        task = asyncio.get_running_loop().create_task(sched.run())
+        self._tasks.add(task)
+
+    def submit(self, r: ActiveRequest) -> Scheduler:
+        candidates = [self.schedulers[v.address] for v in self.verifiers.healthy() if v.address in self.schedulers]
+        if not candidates:
+            raise NoBackend("no verifier replica is available; retry later")
+        sched = min(candidates, key=lambda s: s.load)
+        if sched.load - len(sched.active) >= self.max_queue:
+            raise QueueFull(f"{self.max_queue} requests are already waiting; retry later")
+        drafter = self.drafters.least_loaded() if self.drafters and r.mode != Mode.OFF else None
+        r.verifier = sched.verifier.address
+        r.drafter = drafter.address if drafter else None
+        self.verifiers.replicas[r.verifier].load += 1
+        if drafter:
+            drafter.load += 1
+        sched.submit(r)
+        return sched
+
+    def _on_done(self, r: ActiveRequest) -> None:
+        for replicas, address in ((self.verifiers, r.verifier), (self.drafters, r.drafter)):
+            replica = replicas.replicas.get(address) if replicas and address else None
+            if replica is not None:
+                replica.load -= 1
+
+    def _on_lost(self, role: str, address: str) -> None:
+        (self.verifiers if role == "verifier" else self.drafters).mark_down(address)

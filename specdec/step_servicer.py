@@ -1,0 +1,61 @@
+"""The part of the drafter and verifier servicers that is the same: a bidirectional step stream
+whose steps run on the engine's single worker thread, and whose sequences are freed when the
+stream ends (a gateway that goes away leaves nothing behind)."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from specdec.rpc import common_pb2
+
+
+class StepStreamServicer:
+    def __init__(self, engine, info: common_pb2.ServiceInfo, log, executor: ThreadPoolExecutor) -> None:
+        self.engine = engine
+        self.info = info
+        self.log = log
+        self.executor = executor  # the one thread that runs the engine (and its collectives)
+        self.open_streams = 0
+
+    # Subclasses convert between protobuf and the engine's dataclasses.
+    def step_from_proto(self, msg):
+        raise NotImplementedError
+
+    def result_to_proto(self, res):
+        raise NotImplementedError
+
+    def held_after(self, req, res) -> set[str]:
+        """Sequence ids the engine holds for this stream after `req` ran."""
+        raise NotImplementedError
+
+    async def Step(self, request_iterator, context: grpc.aio.ServicerContext):
+        loop = asyncio.get_running_loop()
+        owned: set[str] = set()
+        self.open_streams += 1
+        try:
+            async for msg in request_iterator:
+                req = self.step_from_proto(msg)
+                owned -= set(req.close)
+                try:
+                    res = await loop.run_in_executor(self.executor, self.engine.step, req)
+                except Exception as exc:  # a bug, not bad input: end this stream loudly
+                    self.log.exception("step failed", step=req.step)
+                    await context.abort(grpc.StatusCode.INTERNAL, f"{self.info.role} step failed: {exc}")
+                owned |= self.held_after(req, res)
+                yield self.result_to_proto(res)
+        finally:
+            self.open_streams -= 1
+            if owned:
+                self.log.info("stream ended; freeing its sequences", count=len(owned))
+                await loop.run_in_executor(self.executor, self.engine.close, sorted(owned))
+
+    async def GetInfo(self, request, context) -> common_pb2.ServiceInfo:
+        info = common_pb2.ServiceInfo()
+        info.CopyFrom(self.info)
+        info.active_sequences = len(self.engine.table)
+        info.sequences_opened = self.engine.table.opened
+        info.open_streams = self.open_streams
+        return info
