@@ -41,29 +41,37 @@ def wait_serving(address: str, timeout: float = START_TIMEOUT, proc: subprocess.
 
 
 class Cluster:
+    """One gateway over `verifiers` verifier and `drafters` drafter replicas (names: verifier,
+    verifier.1, ..., drafter, drafter.1, ...), all on loopback."""
+
     def __init__(self, target: Path, draft: Path | None, device: str = "cpu", dtype: str = "float64",
                  log_dir: Path | None = None, extra: list[str] | None = None,
-                 verifier_extra: list[str] | None = None) -> None:
-        self.addr = {name: f"127.0.0.1:{free_port()}" for name in ("gateway", "verifier", "drafter")}
+                 verifier_extra: list[str] | None = None, verifiers: int = 1, drafters: int = 1,
+                 gateway_extra: list[str] | None = None) -> None:
         base = [sys.executable, "-m", "specdec.cli"]
         dev = ["--device", device, "--dtype", dtype, *(extra or [])]
-        self.commands = {
-            "verifier": [*base, "verifier", "--model", str(target), "--listen", self.addr["verifier"], *dev,
-                         *(verifier_extra or [])],
-            "gateway": [*base, "gateway", "--listen", self.addr["gateway"], "--verifier", self.addr["verifier"],
-                        "--drafter", self.addr["drafter"] if draft else "none", "--target", str(target)],
-        }
-        if draft:
-            self.commands["drafter"] = [*base, "drafter", "--model", str(draft), "--listen", self.addr["drafter"], *dev]
+        names = {"verifier": [replica_name("verifier", i) for i in range(verifiers)],
+                 "drafter": [replica_name("drafter", i) for i in range(drafters if draft else 0)]}
+        self.addr = {name: f"127.0.0.1:{free_port()}" for name in ["gateway", *names["verifier"], *names["drafter"]]}
+        self.commands = {}
+        for name in names["verifier"]:
+            self.commands[name] = [*base, "verifier", "--model", str(target), "--listen", self.addr[name], *dev,
+                                   *(verifier_extra or [])]
+        for name in names["drafter"]:
+            self.commands[name] = [*base, "drafter", "--model", str(draft), "--listen", self.addr[name], *dev]
+        self.commands["gateway"] = [
+            *base, "gateway", "--listen", self.addr["gateway"], "--target", str(target),
+            "--verifier", ",".join(self.addr[n] for n in names["verifier"]),
+            "--drafter", ",".join(self.addr[n] for n in names["drafter"]) or "none", *(gateway_extra or []),
+        ]
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self) -> Cluster:
-        for name in ("verifier", "drafter", "gateway"):
-            if name in self.commands:
-                out = open(self.log_dir / f"{name}.log", "w") if self.log_dir else subprocess.DEVNULL
-                self.procs[name] = subprocess.Popen(self.commands[name], stdout=out, stderr=subprocess.STDOUT,
-                                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        for name, command in self.commands.items():  # backends first, the gateway last
+            out = open(self.log_dir / f"{name}.log", "w") if self.log_dir else subprocess.DEVNULL
+            self.procs[name] = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
         wait_serving(self.addr["gateway"], proc=self.procs["gateway"])
         self.channel = grpc.insecure_channel(self.addr["gateway"])
         self.gateway = gateway_pb2_grpc.GatewayStub(self.channel)
@@ -84,7 +92,7 @@ class Cluster:
                 proc.kill()
 
     def info(self, name: str) -> common_pb2.ServiceInfo:
-        stub_cls = verifier_pb2_grpc.VerifierStub if name == "verifier" else drafter_pb2_grpc.DrafterStub
+        stub_cls = verifier_pb2_grpc.VerifierStub if name.startswith("verifier") else drafter_pb2_grpc.DrafterStub
         with grpc.insecure_channel(self.addr[name]) as ch:
             return stub_cls(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=10)
 
@@ -98,6 +106,10 @@ class Cluster:
             if msg.HasField("final"):
                 final = msg.final
         return ids, final
+
+
+def replica_name(role: str, index: int) -> str:
+    return role if index == 0 else f"{role}.{index}"
 
 
 MODES = {"chain": gateway_pb2.SPEC_MODE_CHAIN, "tree": gateway_pb2.SPEC_MODE_TREE, "off": gateway_pb2.SPEC_MODE_OFF}
