@@ -18,8 +18,13 @@ from drafter_svc.types import (
 from specdec.errors import ErrorCode, SequenceError
 from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded
 from specdec.model.runner import ModelRunner
+from specdec.sampling import DRAFT, SamplingParams, processed_probs, sample_from, seed_tensor, uniforms
 from specdec.sequence_table import SequenceState, SequenceTable
-from specdec.tree import DraftTree
+from specdec.tree import DraftTree, Proposal
+
+# Sampled chain tokens are drawn from the draft distribution truncated to its top PROPOSAL_K
+# tokens: the exact proposal q, small enough to ship with the draft.
+PROPOSAL_K = 16
 
 # KV room past the context: assumed tokens plus a pre-draft chain (k + 1), or a tree's fed nodes.
 DRAFT_SLACK = max(2 * MAX_CHAIN_K + 1, (MAX_TREE_DEPTH - 1) * MAX_TREE_TOPK) + 1
@@ -58,7 +63,8 @@ class DrafterEngine:
         drafted: dict[int, DraftTree] = {}
         if chains:
             drafted.update(zip(chains, self._draft_chains(
-                [ready[i][0] for i in chains], [ready[i][1].shape.k for i in chains], last_logits[chains])))
+                [ready[i][0] for i in chains], [ready[i][1].shape.k for i in chains],
+                [ready[i][1].sampling for i in chains], last_logits[chains])))
         for shape in {ready[i][1].shape for i in trees}:  # one batched expansion per tree shape
             group = [i for i in trees if ready[i][1].shape == shape]
             states = [ready[i][0] for i in group]
@@ -114,15 +120,28 @@ class DrafterEngine:
         batch = ForwardBatch.build(tokens, pos, self._slots(states), pos, start, causal_region(lengths, tokens.shape[1]))
         return self.runner.forward(batch, logit_index=(lengths - 1)[:, None])[:, 0]
 
-    def _draft_chains(self, states: list[SequenceState], ks: list[int], logits: torch.Tensor) -> list[DraftTree]:
-        """Greedy chains of ks[i] tokens, one batched single-token forward per extra token."""
+    def _draft_chains(self, states: list[SequenceState], ks: list[int], params: list[SamplingParams],
+                      logits: torch.Tensor) -> list[DraftTree]:
+        """Chains of ks[i] tokens, one batched single-token forward per extra token: greedy, or
+        sampled from each row's top-PROPOSAL_K draft distribution (returned as proposals)."""
         steps = max(ks)
         slots = self._slots(states)
         pos = torch.tensor([len(s.kv_tokens) for s in states], device=self.device)  # next write position
-        toks, logps = [], []
+        sampling = not all(p.greedy for p in params)
+        seeds = seed_tensor(params, self.device) if sampling else None
+        greedy_rows = torch.tensor([p.greedy for p in params], device=self.device)
+        toks, logps, props = [], [], []
         for t in range(steps):
             logp = torch.log_softmax(logits, dim=-1)
             best = logp.argmax(-1)                                     # [B]
+            if sampling:
+                q_probs, q_ids = processed_probs(logits[:, None], params)[:, 0].topk(
+                    min(PROPOSAL_K, logits.shape[-1]), dim=-1)
+                q_probs = q_probs / q_probs.sum(-1, keepdim=True)      # [B, K] the proposal q
+                u = uniforms(seeds, (pos + t)[:, None], DRAFT)[:, 0]
+                drawn = torch.gather(q_ids, 1, sample_from(q_probs, u)[:, None])[:, 0]
+                best = torch.where(greedy_rows, best, drawn)
+                props.append((q_ids, q_probs))
             toks.append(best)
             logps.append(logp.gather(1, best[:, None])[:, 0])
             if t == steps - 1:
@@ -133,10 +152,15 @@ class DrafterEngine:
             logits = self.runner.forward(batch)[:, 0]
         tok_rows = torch.stack(toks, 1).tolist()
         lp_rows = torch.stack(logps, 1).tolist()
+        if sampling:
+            id_rows = torch.stack([q for q, _ in props], 1).tolist()   # [B][steps][K]
+            pr_rows = torch.stack([p for _, p in props], 1).tolist()
         out = []
-        for s, k, row, lp in zip(states, ks, tok_rows, lp_rows):
+        for i, (s, k, row, lp) in enumerate(zip(states, ks, tok_rows, lp_rows)):
             s.kv_tokens += row[: min(k, steps) - 1]  # the KV now also holds the chain but its last token
-            out.append(DraftTree.chain(row[:k], lp[:k]))
+            proposals = ([Proposal(ids, probs) for ids, probs in zip(id_rows[i][:k], pr_rows[i][:k])]
+                         if sampling and not params[i].greedy else None)
+            out.append(DraftTree.chain(row[:k], lp[:k], proposals))
         return out
 
     def _slots(self, states: list[SequenceState]) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from drafter_svc.types import ChainShape, DraftItem, DrafterStep, DrafterStepResult, TreeShape
 from specdec.rpc import drafter_pb2, drafter_pb2_grpc
-from specdec.rpc.convert import error_to_proto, tree_to_proto
+from specdec.rpc.convert import error_to_proto, sampling_from_proto, tree_to_proto
 from specdec.step_servicer import StepStreamServicer
 
 
@@ -13,7 +13,8 @@ def item_from_proto(m: drafter_pb2.DraftItem) -> DraftItem:
         shape: ChainShape | TreeShape = TreeShape(m.tree.topk, m.tree.depth, m.tree.budget)
     else:
         shape = ChainShape(m.chain.k)
-    return DraftItem(m.seq_id, m.committed_len, list(m.append_ids), list(m.assumed_ids), shape)
+    return DraftItem(m.seq_id, m.committed_len, list(m.append_ids), list(m.assumed_ids), shape,
+                     sampling_from_proto(m.sampling))
 
 
 class DrafterServicer(StepStreamServicer, drafter_pb2_grpc.DrafterServicer):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdec.errors import SequenceError
+from specdec.sampling import GREEDY, SamplingParams
 from specdec.tree import DraftTree
 
 MAX_CHAIN_K = 16
@@ -51,6 +52,7 @@ class DraftItem:
     append_ids: list[int]
     assumed_ids: list[int]
     shape: ChainShape | TreeShape
+    sampling: SamplingParams = GREEDY
 
 
 @dataclass

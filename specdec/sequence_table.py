@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdec.errors import ErrorCode, SequenceError
+from specdec.sampling import GREEDY, SamplingParams
 
 
 @dataclass
@@ -13,6 +14,7 @@ class SequenceState:
     slot: int
     tokens: list[int]           # committed tokens (prompt + generated)
     kv_tokens: list[int] = field(default_factory=list)  # tokens whose KV entries are stored, in order
+    sampling: SamplingParams = GREEDY
 
 
 class SequenceTable:

@@ -14,14 +14,28 @@ from torch.nn import functional as F
 
 
 @dataclass
+class Proposal:
+    """The sparse distribution a sampled draft token was drawn from."""
+
+    token_ids: list[int]
+    probs: list[float]
+
+
+@dataclass
 class DraftTree:
     token_ids: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    proposals: list[Proposal] = field(default_factory=list)  # one per node when sampled; empty = point masses
 
     @classmethod
-    def chain(cls, token_ids: list[int], logprobs: list[float] | None = None) -> DraftTree:
-        return cls(list(token_ids), list(range(len(token_ids))), list(logprobs or []))
+    def chain(cls, token_ids: list[int], logprobs: list[float] | None = None,
+              proposals: list[Proposal] | None = None) -> DraftTree:
+        return cls(list(token_ids), list(range(len(token_ids))), list(logprobs or []), list(proposals or []))
+
+    def suffix(self, start: int) -> DraftTree:
+        """A chain's nodes from `start` on, as a chain (what is left of a pre-draft after its first token)."""
+        return DraftTree.chain(self.token_ids[start:], self.logprobs[start:], self.proposals[start:])
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -37,6 +51,14 @@ class DraftTree:
                 return f"draft token {tok} is outside the vocabulary [0, {vocab_size})"
             if not 0 <= parent < i:
                 return f"draft node {i} has parent {parent}; parents must precede their children"
+        if self.proposals:
+            if len(self.proposals) != len(self.token_ids):
+                return "a sampled draft needs one proposal distribution per node"
+            for tok, prop in zip(self.token_ids, self.proposals):
+                if len(prop.token_ids) != len(prop.probs) or tok not in prop.token_ids:
+                    return f"draft token {tok} is not in the support of its proposal distribution"
+                if any(not 0 <= t < vocab_size for t in prop.token_ids) or any(not p >= 0 for p in prop.probs):
+                    return "a proposal distribution has a token outside the vocabulary or a negative probability"
         return None
 
 
@@ -79,3 +101,18 @@ def tree_structure(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         depth += has_parent.long()
         cur = torch.where(has_parent, torch.gather(parents, 1, cur.clamp(min=0)), cur)
     return ancestors, depth
+
+
+def pack_proposals(trees: list[DraftTree], n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (q_ids [B, n, K], q_probs [B, n, K], sampled [B, n]) aligned with pack_trees' nodes."""
+    k = max((len(p.token_ids) for t in trees for p in t.proposals), default=0)
+    b = len(trees)
+    q_ids = torch.zeros(b, n, max(k, 1), dtype=torch.long)
+    q_probs = torch.zeros(b, n, max(k, 1), dtype=torch.float64)
+    sampled = torch.zeros(b, n, dtype=torch.bool)
+    for i, t in enumerate(trees):  # host-side packing of the message
+        for j, prop in enumerate(t.proposals, start=1):
+            q_ids[i, j, : len(prop.token_ids)] = torch.tensor(prop.token_ids, dtype=torch.long)
+            q_probs[i, j, : len(prop.probs)] = torch.tensor(prop.probs, dtype=torch.float64)
+            sampled[i, j] = True
+    return q_ids.to(device), q_probs.to(device), sampled.to(device)

@@ -94,3 +94,13 @@ def make_layer_subset_draft(target_dir: Path, out_dir: Path, layers: list[int]) 
     model.save_pretrained(out_dir)
     PreTrainedTokenizerFast.from_pretrained(target_dir).save_pretrained(out_dir)
     return out_dir
+
+
+def make_tiny_vocab_checkpoint(out_dir: Path, seed: int, vocab: int = 6) -> Path:
+    """A random Llama over a handful of tokens with spread-out distributions (sampling tests)."""
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=vocab, max_position_embeddings=64,
+                      tie_word_embeddings=False, initializer_range=0.15)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out_dir)
+    return out_dir

@@ -9,11 +9,13 @@ from __future__ import annotations
 import torch
 
 from kernels.greedy_accept import greedy_accept
+from kernels.spec_sampling import child_table, spec_sample
 from specdec.errors import ErrorCode, SequenceError
 from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded
 from specdec.model.runner import ModelRunner
+from specdec.sampling import ACCEPT, RESIDUAL, processed_probs, sample_from, seed_tensor, uniforms
 from specdec.sequence_table import SequenceState, SequenceTable
-from specdec.tree import pack_trees
+from specdec.tree import pack_proposals, pack_trees
 from verifier_svc.types import Verdict, VerifierStep, VerifierStepResult, VerifyItem
 
 
@@ -35,13 +37,16 @@ class VerifierEngine:
     def step(self, req: VerifierStep) -> VerifierStepResult:
         result = VerifierStepResult(req.step)
         self.close(req.close)
-        opened: list[SequenceState] = []
+        opened: list[tuple[SequenceState, str]] = []
         for o in req.open:
-            state = self.table.open(o.seq_id, o.prompt_ids)
+            problem = o.sampling.problem()
+            state = (SequenceError(o.seq_id, ErrorCode.INVALID, problem) if problem
+                     else self.table.open(o.seq_id, o.prompt_ids))
             if isinstance(state, SequenceError):
                 result.errors.append(state)
             else:
-                opened.append(state)
+                state.sampling = o.sampling
+                opened.append((state, o.share_prefill_with))
         if opened:
             result.verdicts += self._prefill(opened)
         items: list[tuple[SequenceState, VerifyItem]] = []
@@ -71,19 +76,42 @@ class VerifierEngine:
             return SequenceError(item.seq_id, ErrorCode.OUT_OF_CAPACITY, f"sequence reached the context limit {self.max_context}")
         return state
 
-    def _prefill(self, states: list[SequenceState]) -> list[Verdict]:
-        tokens, lengths = ragged_to_padded([s.tokens for s in states], 0, self.device)
+    def _prefill(self, opened: list[tuple[SequenceState, str]]) -> list[Verdict]:
+        """Prefill each distinct prompt once; sequences sharing it get a copy of its KV."""
+        by_id = {s.seq_id: s for s, _ in opened}
+        leader_of = {}
+        for s, share in opened:
+            lead = by_id.get(share)
+            leader_of[s.seq_id] = lead if lead is not None and lead.tokens == s.tokens and lead is not s else s
+        leaders = [s for s, _ in opened if leader_of[s.seq_id] is s]
+        tokens, lengths = ragged_to_padded([s.tokens for s in leaders], 0, self.device)
         n = tokens.shape[1]
         positions = torch.arange(n, device=self.device).expand_as(tokens)
         batch = ForwardBatch.build(
-            tokens, positions, self._slots(states), positions,
+            tokens, positions, self._slots(leaders), positions,
             torch.zeros_like(lengths), causal_region(lengths, n),
         )
-        logits = self.runner.forward(batch, logit_index=(lengths - 1)[:, None])  # [B, 1, V]
-        first = logits[:, 0].argmax(-1).tolist()
+        logits = self.runner.forward(batch, logit_index=(lengths - 1)[:, None])  # [L, 1, V]
+        followers = [s for s, _ in opened if leader_of[s.seq_id] is not s]
+        if followers:
+            src = self._slots([leader_of[s.seq_id] for s in followers])
+            self.runner.copy_prefix(src, self._slots(followers), int(lengths.max()))
+        row = {s.seq_id: i for i, s in enumerate(leaders)}
+        states = [s for s, _ in opened]
+        logits = logits[[row[leader_of[s.seq_id].seq_id] for s in states]]      # [B, 1, V]
+        first = self._sample_next(states, logits[:, 0]).tolist()
         for s, tok in zip(states, first):
             s.tokens.append(tok)
         return [Verdict(s.seq_id, len(s.tokens), [tok], 0) for s, tok in zip(states, first)]
+
+    def _sample_next(self, states: list[SequenceState], logits: torch.Tensor) -> torch.Tensor:
+        """The next token after each sequence's committed tokens, from logits [B, V]."""
+        params = [s.sampling for s in states]
+        if all(p.greedy for p in params):
+            return logits.argmax(-1)
+        probs = processed_probs(logits[:, None], params)[:, 0]
+        pos = torch.tensor([len(s.tokens) for s in states], device=self.device)[:, None]
+        return sample_from(probs, uniforms(seed_tensor(params, self.device), pos, RESIDUAL)[:, 0])
 
     def _verify(self, items: list[tuple[SequenceState, VerifyItem]]) -> list[Verdict]:
         states = [s for s, _ in items]
@@ -95,8 +123,19 @@ class VerifierEngine:
             trees.tokens, kv_start[:, None] + trees.depth, slots,
             kv_start[:, None] + torch.arange(n, device=self.device), kv_start, trees.ancestors,
         )
-        target_argmax = self.runner.forward(batch).argmax(-1)  # [B, n]
-        verdict = greedy_accept(trees.tokens, trees.parents, trees.depth, trees.num_nodes, target_argmax)
+        logits = self.runner.forward(batch)  # [B, n, V]
+        params = [s.sampling for s in states]
+        if all(p.greedy for p in params):
+            verdict = greedy_accept(trees.tokens, trees.parents, trees.depth, trees.num_nodes, logits.argmax(-1))
+        else:
+            q_ids, q_probs, sampled = pack_proposals([it.draft for _, it in items], n, self.device)
+            seeds = seed_tensor(params, self.device)
+            pos = kv_start[:, None] + trees.depth                       # each node's token position
+            _, rank = child_table(trees.parents)
+            verdict = spec_sample(
+                processed_probs(logits, params), trees.tokens, trees.parents, trees.depth, q_ids, q_probs, sampled,
+                uniforms(seeds, pos, ACCEPT + 16 * rank), uniforms(seeds, pos + 1, RESIDUAL),
+            )
         # Compact the accepted path's KV entries into a dense prefix (a no-op for chains).
         dense = torch.arange(verdict.path.shape[1], device=self.device)[None, :]
         on_path = verdict.path >= 0

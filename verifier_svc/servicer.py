@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specdec.rpc import verifier_pb2, verifier_pb2_grpc
-from specdec.rpc.convert import error_to_proto, tree_from_proto
+from specdec.rpc.convert import error_to_proto, sampling_from_proto, tree_from_proto
 from specdec.step_servicer import StepStreamServicer
 from verifier_svc.types import OpenSequence, VerifierStep, VerifierStepResult, VerifyItem
 
@@ -12,7 +12,8 @@ class VerifierServicer(StepStreamServicer, verifier_pb2_grpc.VerifierServicer):
     def step_from_proto(self, msg: verifier_pb2.VerifyStepRequest) -> VerifierStep:
         return VerifierStep(
             step=msg.step,
-            open=[OpenSequence(o.seq_id, list(o.prompt_ids)) for o in msg.open],
+            open=[OpenSequence(o.seq_id, list(o.prompt_ids), sampling_from_proto(o.sampling), o.share_prefill_with)
+                  for o in msg.open],
             verify=[VerifyItem(v.seq_id, v.committed_len, tree_from_proto(v.draft)) for v in msg.verify],
             close=list(msg.close),
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdec.errors import SequenceError
+from specdec.sampling import GREEDY, SamplingParams
 from specdec.tree import DraftTree
 
 
@@ -12,6 +13,8 @@ from specdec.tree import DraftTree
 class OpenSequence:
     seq_id: str
     prompt_ids: list[int]
+    sampling: SamplingParams = GREEDY
+    share_prefill_with: str = ""  # a sequence opened in the same step with the same prompt
 
 
 @dataclass

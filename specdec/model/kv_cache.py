@@ -45,3 +45,8 @@ class KVCache:
         rows = slots[:, None].expand_as(src)
         self.k[:, rows, dst] = self.k[:, rows, src]
         self.v[:, rows, dst] = self.v[:, rows, src]
+
+    def copy_prefix(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, length: int) -> None:
+        """Copy the first `length` entries of each src slot into its dst slot (shared prefills)."""
+        self.k[:, dst_slots, :length] = self.k[:, src_slots, :length]
+        self.v[:, dst_slots, :length] = self.v[:, src_slots, :length]

@@ -36,6 +36,9 @@ class ModelRunner:
     def move(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.cache.move(slots, src, dst)
 
+    def copy_prefix(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, length: int) -> None:
+        self.cache.copy_prefix(src_slots, dst_slots, length)
+
     def shutdown(self) -> None:
         pass
 
@@ -65,6 +68,10 @@ class TPLeader(ModelRunner):
         self._broadcast("move", slots, src, dst)
         super().move(slots, src, dst)
 
+    def copy_prefix(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, length: int) -> None:
+        self._broadcast("copy_prefix", src_slots, dst_slots, length)
+        super().copy_prefix(src_slots, dst_slots, length)
+
     def shutdown(self) -> None:
         self.stopping.set()
         self._broadcast("stop")
@@ -86,5 +93,7 @@ def follow(runner: ModelRunner) -> None:
             runner.forward(ForwardBatch(*fields), logit_index)
         elif name == "move":
             runner.move(*args)
+        elif name == "copy_prefix":
+            runner.copy_prefix(*args)
         else:
             raise RuntimeError(f"unknown tensor-parallel command {name!r}")
