@@ -17,6 +17,9 @@ class BuildPyWithStubs(build_py):
         from protoc import compile_protos  # noqa: PLC0415 (importable only at build time)
 
         compile_protos(Path(__file__).parent)
+        # The package list was collected before the stubs existed: add their package.
+        if self.packages is not None and "specdec.rpc.v1" not in self.packages:
+            self.packages.append("specdec.rpc.v1")
         super().run()
 
 

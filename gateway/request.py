@@ -6,7 +6,10 @@ import asyncio
 import enum
 from dataclasses import dataclass, field
 
+from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree
+
+GOLDEN = 0x9E3779B97F4A7C15  # spreads the seeds of a request's samples over 64 bits
 
 
 class Mode(str, enum.Enum):
@@ -33,6 +36,11 @@ class GenerationRequest:
     stop: list[str]
     stop_at_eos: bool
     spec: SpecSettings
+    sampling: SamplingParams  # seed = the request's seed; sample i uses sample_seed(i)
+    n: int = 1
+
+    def sample_seed(self, index: int) -> int:
+        return (self.sampling.seed + index * GOLDEN) % (1 << 64)
 
 
 class InvalidRequest(ValueError):
@@ -57,6 +65,7 @@ class Stats:
 class Event:
     """What the scheduler tells a request's RPC handler."""
 
+    sample_index: int = 0
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None          # set on the last event
@@ -69,7 +78,10 @@ class ActiveRequest:
     seq_id: str
     mode: Mode
     detok: object                              # IncrementalDetokenizer
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # shared by a request's samples
+    sample_index: int = 0
+    sampling: SamplingParams | None = None     # this sample's parameters (its own seed)
+    prefill_leader: str = ""                   # seq id of sample 0: share its prefill
     tokens: list[int] = field(default_factory=list)  # committed: prompt + generated
     verifier: str = ""                          # replica address this request is pinned to
     drafter: str | None = None                  # drafter replica address (None: no speculation)

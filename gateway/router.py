@@ -67,11 +67,12 @@ class Router:
             except Exception:  # keep routing with what we know
                 self.log.exception("replica refresh failed")
 
-    def limits(self) -> tuple[int, int]:
-        """(max_context, max_draft_tokens) that every healthy replica accepts."""
+    def limits(self) -> tuple[int, int, int]:
+        """(max_context, max_draft_tokens, max_sequences) that every healthy replica accepts."""
         infos = [r.info for s in (self.verifiers, self.drafters) if s for r in s.healthy()]
         v_infos = [r.info for r in self.verifiers.healthy()]
-        return min(i.max_context for i in infos), min(i.max_draft_tokens for i in v_infos)
+        return (min(i.max_context for i in infos), min(i.max_draft_tokens for i in v_infos),
+                min(i.max_sequences for i in infos))
 
     def _start_scheduler(self, replica: Replica) -> None:
         sched = Scheduler(StepStream("verifier", replica.address), replica.info.max_sequences, self.max_queue,
@@ -80,20 +81,22 @@ class Router:
         task = asyncio.get_running_loop().create_task(sched.run())
         self._tasks.add(task)
 
-    def submit(self, r: ActiveRequest) -> Scheduler:
+    def submit(self, samples: list[ActiveRequest]) -> Scheduler:
+        """Pin a request's samples to one verifier (they share its prefill) and each to a drafter."""
         candidates = [self.schedulers[v.address] for v in self.verifiers.healthy() if v.address in self.schedulers]
         if not candidates:
             raise NoBackend("no verifier replica is available; retry later")
         sched = min(candidates, key=lambda s: s.load)
-        if sched.load - len(sched.active) >= self.max_queue:
-            raise QueueFull(f"{self.max_queue} requests are already waiting; retry later")
-        drafter = self.drafters.least_loaded() if self.drafters and r.mode != Mode.OFF else None
-        r.verifier = sched.verifier.address
-        r.drafter = drafter.address if drafter else None
-        self.verifiers.replicas[r.verifier].load += 1
-        if drafter:
-            drafter.load += 1
-        sched.submit(r)
+        if len(sched.pending) + len(samples) > self.max_queue:
+            raise QueueFull(f"{len(sched.pending)} requests are already waiting; retry later")
+        for r in samples:
+            drafter = self.drafters.least_loaded() if self.drafters and r.mode != Mode.OFF else None
+            r.verifier = sched.verifier.address
+            r.drafter = drafter.address if drafter else None
+            self.verifiers.replicas[r.verifier].load += 1
+            if drafter:
+                drafter.load += 1
+            sched.submit(r)
         return sched
 
     def _on_done(self, r: ActiveRequest) -> None:

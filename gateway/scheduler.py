@@ -21,7 +21,7 @@ from gateway.backends import BackendLost, StepStream
 from gateway.request import ActiveRequest, Event, Mode
 from specdec.errors import ErrorCode
 from specdec.rpc import drafter_pb2, verifier_pb2
-from specdec.rpc.convert import error_from_proto, tree_from_proto, tree_to_proto
+from specdec.rpc.convert import error_from_proto, sampling_to_proto, tree_from_proto, tree_to_proto
 from specdec.tree import DraftTree
 
 
@@ -54,8 +54,6 @@ class Scheduler:
 
     # ---- called by the router ----------------------------------------------------------------
     def submit(self, r: ActiveRequest) -> None:
-        if len(self.pending) >= self.max_queue:
-            raise QueueFull(f"{len(self.pending)} requests are already waiting; retry later")
         if r.drafter is None:
             r.mode = Mode.OFF
         self.pending.append(r)
@@ -90,6 +88,7 @@ class Scheduler:
             self.log.info("request cancelled", request_id=r.req.request_id)
             self._retire(r)
         opens = self._admit()
+        opened = {r.seq_id for r in opens}
         continuing = [r for r in self.active.values() if r not in opens]
         need = [r for r in continuing if r.mode != Mode.OFF and r.draft is None]
         if need:
@@ -97,7 +96,9 @@ class Scheduler:
 
         verify_msg = verifier_pb2.VerifyStepRequest(
             step=self.step_no,
-            open=[verifier_pb2.OpenSequence(seq_id=r.seq_id, prompt_ids=r.tokens) for r in opens],
+            open=[verifier_pb2.OpenSequence(
+                seq_id=r.seq_id, prompt_ids=r.tokens, sampling=sampling_to_proto(r.sampling),
+                share_prefill_with=r.prefill_leader if r.prefill_leader in opened else "") for r in opens],
             verify=[verifier_pb2.VerifyItem(seq_id=r.seq_id, committed_len=len(r.tokens),
                                             draft=tree_to_proto(r.draft or DraftTree())) for r in continuing],
             close=self.close_verifier,
@@ -135,7 +136,7 @@ class Scheduler:
         for r in reqs:
             spec = r.req.spec
             item = drafter_pb2.DraftItem(seq_id=r.seq_id, committed_len=len(r.tokens),
-                                         append_ids=r.tokens[r.drafter_len:])
+                                         append_ids=r.tokens[r.drafter_len:], sampling=sampling_to_proto(r.sampling))
             if predraft:  # draft after the in-flight draft; one extra token guesses the bonus
                 item.assumed_ids.extend(r.draft.token_ids)
                 item.chain.k = spec.k + 1
@@ -215,7 +216,7 @@ class Scheduler:
         r.draft = None
         if r.predraft is not None:
             if full and len(r.predraft) > 1 and r.predraft.token_ids[0] == accepted[-1]:
-                r.draft = DraftTree.chain(r.predraft.token_ids[1:], r.predraft.logprobs[1:])
+                r.draft = r.predraft.suffix(1)
                 s.overlap_hits += 1
             else:
                 s.overlap_misses += 1
@@ -239,7 +240,7 @@ class Scheduler:
             r.finished = True
             self._retire(r)
         if new or finish:
-            r.events.put_nowait(Event(token_ids=new, text=text, finish_reason=finish))
+            r.events.put_nowait(Event(r.sample_index, token_ids=new, text=text, finish_reason=finish))
 
     # ---- endings -----------------------------------------------------------------------------
     def _retire(self, r: ActiveRequest) -> None:
@@ -252,12 +253,12 @@ class Scheduler:
     def _fail(self, r: ActiveRequest, status: str, message: str) -> None:
         r.finished = True
         self._retire(r)
-        r.events.put_nowait(Event(error=(status, message)))
+        r.events.put_nowait(Event(r.sample_index, error=(status, message)))
 
     def _fail_all(self, status: str, message: str) -> None:
         for r in list(self.active.values()) + list(self.pending):
             r.finished = True
-            r.events.put_nowait(Event(error=(status, message)))
+            r.events.put_nowait(Event(r.sample_index, error=(status, message)))
             self.on_done(r)
         self.active.clear()
         self.pending.clear()

@@ -38,8 +38,9 @@ def run_gateway(cfg: GatewayConfig) -> None:
         router = Router(cfg.verifier, cfg.drafter, cfg.max_queue, eos_ids(tokenizer, cfg.tokenizer_dir))
         log.info("waiting for backends", verifier=cfg.verifier, drafter=cfg.drafter)
         await router.wait_ready(BACKEND_WAIT_SECONDS)
-        max_context, max_draft_tokens = router.limits()
-        servicer.attach(RequestValidator(cfg, tokenizer, router.vocab_size, max_context, max_draft_tokens), router)
+        max_context, max_draft_tokens, max_sequences = router.limits()
+        servicer.attach(RequestValidator(cfg, tokenizer, router.vocab_size, max_context, max_draft_tokens,
+                                         max_sequences), router)
         tasks.add(asyncio.get_running_loop().create_task(router.run(cfg.resolve_interval)))
         await state.set_serving(True)
         log.info("backends ready", verifiers=len(router.verifiers.healthy()),

@@ -1,14 +1,16 @@
-"""The public Gateway servicer: validate, hand the request to the scheduler, stream its events."""
+"""The public Gateway servicer: validate, hand the request's samples to the router, stream events."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import uuid
 
 import grpc
 import structlog
 
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.request import ActiveRequest, InvalidRequest
+from gateway.request import ActiveRequest, GenerationRequest, InvalidRequest
 from gateway.router import NoBackend, Router
 from gateway.scheduler import QueueFull
 from gateway.validation import RequestValidator
@@ -27,6 +29,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def attach(self, validator: RequestValidator, router: Router) -> None:
         self.validator, self.router = validator, router
 
+    def _samples(self, req: GenerationRequest) -> list[ActiveRequest]:
+        events: asyncio.Queue = asyncio.Queue()  # one stream for all samples
+        samples = []
+        for i in range(req.n):
+            sampling = dataclasses.replace(req.sampling, seed=req.sample_seed(i))
+            samples.append(ActiveRequest(
+                req=req, seq_id=uuid.uuid4().hex, mode=req.spec.mode, events=events, sample_index=i,
+                sampling=sampling, detok=IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.stop)))
+        for r in samples[1:]:
+            r.prefill_leader = samples[0].seq_id
+        return samples
+
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         if self.router is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the gateway is still connecting to its backends")
@@ -34,34 +48,35 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             req = self.validator.validate(request)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        r = ActiveRequest(req=req, seq_id=uuid.uuid4().hex, mode=req.spec.mode,
-                          detok=IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.stop))
-        log = self.log.bind(request_id=req.request_id, seq_id=r.seq_id)
+        samples = self._samples(req)
+        log = self.log.bind(request_id=req.request_id, seq_id=samples[0].seq_id)
         try:
-            scheduler = self.router.submit(r)
+            scheduler = self.router.submit(samples)
         except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except NoBackend as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        log.info("request started", prompt_tokens=len(req.prompt_ids), mode=r.mode.value,
-                 max_new_tokens=req.max_new_tokens, verifier=r.verifier, drafter=r.drafter)
+        log.info("request started", prompt_tokens=len(req.prompt_ids), mode=req.spec.mode.value, n=req.n,
+                 max_new_tokens=req.max_new_tokens, verifier=samples[0].verifier, drafter=samples[0].drafter)
+        open_samples = req.n
         try:
-            while True:
-                ev = await r.events.get()
+            while open_samples:
+                ev = await samples[0].events.get()
                 if ev.error is not None:
                     log.warning("request failed", status=ev.error[0], error=ev.error[1])
                     await context.abort(getattr(grpc.StatusCode, ev.error[0]), ev.error[1])
-                msg = gateway_pb2.GenerateResponse(token_ids=ev.token_ids, text=ev.text)
+                msg = gateway_pb2.GenerateResponse(token_ids=ev.token_ids, text=ev.text, sample_index=ev.sample_index)
                 if ev.finish_reason is not None:
+                    r = samples[ev.sample_index]
                     msg.final.CopyFrom(self._final(r, ev.finish_reason))
-                    log.info("request finished", reason=ev.finish_reason, tokens=r.generated,
+                    log.info("sample finished", sample=r.sample_index, reason=ev.finish_reason, tokens=r.generated,
                              mean_accepted_length=round(r.stats.mean_accepted_length, 3))
-                    yield msg
-                    return
+                    open_samples -= 1
                 yield msg
         finally:
-            if not r.finished:  # client cancel or deadline: free the sequence everywhere
-                scheduler.cancel(r)
+            for r in samples:
+                if not r.finished:  # client cancel, deadline or a failed sibling: free it everywhere
+                    scheduler.cancel(r)
 
     @staticmethod
     def _final(r: ActiveRequest, reason: str) -> gateway_pb2.FinalInfo:
@@ -69,7 +84,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return gateway_pb2.FinalInfo(
             request_id=r.req.request_id, finish_reason=reason,
             prompt_tokens=len(r.req.prompt_ids), completion_tokens=r.generated,
-            prompt_token_ids=r.req.prompt_ids,
+            prompt_token_ids=r.req.prompt_ids, sample_index=r.sample_index, seed=r.sampling.seed,
             stats=gateway_pb2.SpeculationStats(
                 steps=s.steps, drafted=s.drafted, accepted=s.accepted,
                 mean_accepted_length=s.mean_accepted_length,

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import secrets
 import uuid
 
 from drafter_svc.types import MAX_CHAIN_K, MAX_TREE_BUDGET, MAX_TREE_DEPTH, MAX_TREE_TOPK
 from gateway.request import GenerationRequest, InvalidRequest, Mode, SpecSettings
 from specdec.config import GatewayConfig
 from specdec.rpc import gateway_pb2
+from specdec.sampling import SamplingParams
+
+MAX_SAMPLES = 16
 
 MAX_STOP_STRINGS = 16
 MODES = {
@@ -25,8 +29,10 @@ def _in_range(name: str, value: int, lo: int, hi: int) -> int:
 
 
 class RequestValidator:
-    def __init__(self, cfg: GatewayConfig, tokenizer, vocab_size: int, max_context: int, max_draft_tokens: int) -> None:
+    def __init__(self, cfg: GatewayConfig, tokenizer, vocab_size: int, max_context: int, max_draft_tokens: int,
+                 max_sequences: int) -> None:
         self.cfg = cfg
+        self.max_sequences = max_sequences  # n samples of one request share one verifier
         self.max_draft_tokens = max_draft_tokens  # what the verifier checks per sequence and step
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -69,6 +75,15 @@ class RequestValidator:
             budget=_in_range("budget", msg.budget or c.default_budget, 1, min(MAX_TREE_BUDGET, most)),
         )
 
+    def sampling(self, msg: gateway_pb2.Sampling) -> tuple[SamplingParams, int]:
+        seed = msg.seed if msg.HasField("seed") else secrets.randbits(64)
+        params = SamplingParams(msg.temperature, msg.top_p or 1.0, msg.top_k, seed)
+        problem = params.problem()
+        if problem:
+            raise InvalidRequest(problem)
+        n = _in_range("n", msg.n or 1, 1, min(MAX_SAMPLES, self.max_sequences))
+        return params, n
+
     def validate(self, msg: gateway_pb2.GenerateRequest) -> GenerationRequest:
         ids = self.prompt_ids(msg)
         max_new = msg.max_new_tokens or min(self.cfg.default_max_new_tokens, self.max_context - len(ids))
@@ -79,6 +94,7 @@ class RequestValidator:
             )
         if len(msg.stop) > MAX_STOP_STRINGS or any(not s for s in msg.stop):
             raise InvalidRequest(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+        sampling, n = self.sampling(msg.sampling)
         return GenerationRequest(
             request_id=msg.request_id or uuid.uuid4().hex,
             prompt_ids=ids,
@@ -86,4 +102,6 @@ class RequestValidator:
             stop=list(msg.stop),
             stop_at_eos=msg.stop_at_eos if msg.HasField("stop_at_eos") else True,
             spec=self.spec(msg.speculation),
+            sampling=sampling,
+            n=n,
         )

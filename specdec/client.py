@@ -30,7 +30,13 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to a text prompt")
     p.add_argument("--request-id", default="")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    p.add_argument("--json", action="store_true", help="end stdout with one JSON object of ids, text and stats")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="same seed and settings, same output")
+    p.add_argument("--n", type=int, default=1, help="independent samples (sharing the prompt's prefill)")
+    p.add_argument("--json", action="store_true",
+                   help="end stdout with one JSON object of ids, text and stats (one line per sample)")
 
 
 def build_request(a: argparse.Namespace) -> gateway_pb2.GenerateRequest:
@@ -41,6 +47,10 @@ def build_request(a: argparse.Namespace) -> gateway_pb2.GenerateRequest:
     )
     if a.ignore_eos:
         req.stop_at_eos = False
+    req.sampling.temperature, req.sampling.top_p, req.sampling.top_k, req.sampling.n = (
+        a.temperature, a.top_p, a.top_k, a.n)
+    if a.seed is not None:
+        req.sampling.seed = a.seed
     if a.token_ids is not None:
         req.token_ids.ids.extend(int(t) for t in a.token_ids.split(",") if t.strip())
     else:
@@ -49,38 +59,51 @@ def build_request(a: argparse.Namespace) -> gateway_pb2.GenerateRequest:
 
 
 def generate(a: argparse.Namespace) -> int:
-    ids: list[int] = []
-    text: list[str] = []
-    final = None
+    """Streams the text of one sample as it comes; with n > 1 prints each sample's text at its end."""
+    ids: dict[int, list[int]] = {}
+    text: dict[int, list[str]] = {}
+    finals = {}
     with grpc.insecure_channel(a.gateway) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         try:
             for msg in stub.Generate(build_request(a), timeout=a.timeout):
-                ids += msg.token_ids
-                text.append(msg.text)
-                sys.stdout.write(msg.text)
-                sys.stdout.flush()
+                i = msg.sample_index
+                ids.setdefault(i, []).extend(msg.token_ids)
+                text.setdefault(i, []).append(msg.text)
+                if a.n == 1:
+                    sys.stdout.write(msg.text)
+                    sys.stdout.flush()
                 if msg.HasField("final"):
-                    final = msg.final
+                    finals[i] = msg.final
+                    if a.n > 1:
+                        print(f"[sample {i}] {''.join(text[i])}", flush=True)
         except grpc.RpcError as exc:
             print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
-    sys.stdout.write("\n")
-    if a.json and final is not None:
-        s = final.stats
-        print(json.dumps({
-            "request_id": final.request_id,
-            "prompt_token_ids": list(final.prompt_token_ids),
-            "output_token_ids": ids,
-            "text": "".join(text),
-            "finish_reason": final.finish_reason,
-            "stats": {
-                "mode": s.mode, "steps": s.steps, "drafted": s.drafted, "accepted": s.accepted,
-                "mean_accepted_length": s.mean_accepted_length,
-                "overlap_hits": s.overlap_hits, "overlap_misses": s.overlap_misses,
-            },
-        }))
+    if a.n == 1:
+        sys.stdout.write("\n")
+    if a.json:
+        for i in sorted(finals):
+            print(json.dumps(summary(finals[i], ids.get(i, []), "".join(text.get(i, [])))))
     return 0
+
+
+def summary(final, ids: list[int], text: str) -> dict:
+    s = final.stats
+    return {
+        "request_id": final.request_id,
+        "sample_index": final.sample_index,
+        "seed": final.seed,
+        "prompt_token_ids": list(final.prompt_token_ids),
+        "output_token_ids": ids,
+        "text": text,
+        "finish_reason": final.finish_reason,
+        "stats": {
+            "mode": s.mode, "steps": s.steps, "drafted": s.drafted, "accepted": s.accepted,
+            "mean_accepted_length": s.mean_accepted_length,
+            "overlap_hits": s.overlap_hits, "overlap_misses": s.overlap_misses,
+        },
+    }
 
 
 def check_health(address: str, timeout: float) -> int:

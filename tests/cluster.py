@@ -69,6 +69,9 @@ class Cluster:
 
     def start(self) -> Cluster:
         for name, command in self.commands.items():  # backends first, the gateway last
+            if name == "gateway":  # like compose's depends_on: service_healthy
+                for backend, proc in self.procs.items():
+                    wait_serving(self.addr[backend], proc=proc)
             out = open(self.log_dir / f"{name}.log", "w") if self.log_dir else subprocess.DEVNULL
             self.procs[name] = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -97,8 +100,10 @@ class Cluster:
             return stub_cls(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=10)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, mode: str = "chain", timeout: float = 120,
-                 **spec) -> tuple[list[int], gateway_pb2.FinalInfo]:
+                 sampling: dict | None = None, **spec) -> tuple[list[int], gateway_pb2.FinalInfo]:
         req = request(prompt_ids, max_new_tokens, mode, **spec)
+        if sampling:
+            req.sampling.CopyFrom(gateway_pb2.Sampling(**sampling))
         ids: list[int] = []
         final = None
         for msg in self.gateway.Generate(req, timeout=timeout):

