@@ -7,6 +7,10 @@ drafts) is the point mass q = delta_x: accepted with probability r(x), then zero
 When no child is accepted the bonus token is drawn from r; at a leaf, from p.
 This is SpecInfer's multi-draft rule (for the chain, the standard rule of Leviathan et al.);
 the output distribution equals the target's exactly. Uniform draws come in from the caller.
+
+`spec_sample` runs the Triton kernel on CUDA (one program per sequence walking its tree, the
+residual distribution in a float64 scratch row, vocabulary processed in blocks) and the torch
+reference elsewhere.
 """
 
 from __future__ import annotations
@@ -14,7 +18,12 @@ from __future__ import annotations
 import torch
 
 from kernels.greedy_accept import GreedyVerdict
+from kernels.triton_support import HAVE_TRITON, use_triton
 from specdec.sampling import sample_from
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
 
 
 def child_table(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,7 +38,13 @@ def child_table(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return children[:, :n], rank
 
 
-def spec_sample(
+def spec_sample(probs, tokens, parents, depth, q_ids, q_probs, sampled, u_accept, u_bonus) -> GreedyVerdict:
+    if use_triton(probs):
+        return spec_sample_triton(probs, tokens, parents, depth, q_ids, q_probs, sampled, u_accept, u_bonus)
+    return spec_sample_reference(probs, tokens, parents, depth, q_ids, q_probs, sampled, u_accept, u_bonus)
+
+
+def spec_sample_reference(
     probs: torch.Tensor,      # [B, n, V] target distribution after each node (node 0 = root)
     tokens: torch.Tensor,     # [B, n]
     parents: torch.Tensor,    # [B, n] -1 for the root and padding
@@ -75,3 +90,108 @@ def spec_sample(
     path = torch.stack(steps, 1)                              # [B, D+1], -1 once the walk stopped
     path = torch.where(torch.cummin(path, 1).values < 0, -1, path)
     return GreedyVerdict(path, (path >= 0).sum(1) - 1, bonus)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _load_row(probs, res, row, V, BLOCK_V: tl.constexpr):
+        """res <- probs[row] (as float64); -> its sum."""
+        offs = tl.arange(0, BLOCK_V)
+        total = 0.0
+        for start in range(0, V, BLOCK_V):
+            mask = start + offs < V
+            p = tl.load(probs + row * V + start + offs, mask=mask, other=0.0).to(tl.float64)
+            tl.store(res + start + offs, p, mask=mask)
+            total += tl.sum(p, axis=0)
+        return total
+
+    @triton.jit
+    def _spec_sample_kernel(probs, tokens, children, q_ids, q_probs, sampled, u_accept, u_bonus, scratch,
+                            path, accept_len, bonus, n, V, K, C, max_depth, path_width,
+                            BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+        b = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_V)
+        koffs = tl.arange(0, BLOCK_K)
+        res = scratch + b * V
+        total = _load_row(probs, res, b * n, V, BLOCK_V)
+        cur = 0
+        walking = 1
+        depth = 0
+        for _d in range(max_depth):
+            if walking != 0:
+                taken = -1
+                for j in range(C):
+                    c = tl.load(children + (b * n + cur) * C + j)
+                    if (c >= 0) & (taken < 0):
+                        node = b * n + c
+                        x = tl.load(tokens + node)
+                        is_sampled = tl.load(sampled + node) != 0
+                        kmask = koffs < K
+                        ids = tl.load(q_ids + node * K + koffs, mask=kmask, other=-1)
+                        qp = tl.load(q_probs + node * K + koffs, mask=kmask, other=0.0).to(tl.float64)
+                        qx = tl.sum(tl.where(ids == x, qp, 0.0), axis=0)
+                        if not is_sampled:
+                            qx = 1.0
+                        rx = tl.load(res + x) / total
+                        ratio = tl.minimum(rx / tl.maximum(qx, 1e-30), 1.0)
+                        if tl.load(u_accept + node) < ratio:
+                            taken = c
+                        else:  # residual <- max(0, r/total - q)
+                            new_total = 0.0
+                            for start in range(0, V, BLOCK_V):
+                                vv = start + offs
+                                mask = vv < V
+                                r = tl.load(res + vv, mask=mask, other=0.0) / total
+                                hit = vv[:, None] == ids[None, :]
+                                q = tl.sum(tl.where(hit, qp[None, :], 0.0), axis=1)
+                                if not is_sampled:
+                                    q = tl.where(vv == x, 1.0, 0.0)
+                                r = tl.maximum(r - q, 0.0)
+                                tl.store(res + vv, r, mask=mask)
+                                new_total += tl.sum(tl.where(mask, r, 0.0), axis=0)
+                            total = tl.maximum(new_total, 1e-300)
+                if taken >= 0:
+                    cur = taken
+                    depth += 1
+                    tl.store(path + b * path_width + depth, cur.to(tl.int64))
+                    total = _load_row(probs, res, b * n + cur, V, BLOCK_V)
+                else:
+                    walking = 0
+        # bonus: the first token whose cumulative mass exceeds u * total
+        target = tl.load(u_bonus + b * n + cur) * total
+        running = 0.0
+        found = V - 1
+        searching = 1
+        for start in range(0, V, BLOCK_V):
+            if searching != 0:
+                vv = start + offs
+                r = tl.load(res + vv, mask=vv < V, other=0.0)
+                cum = running + tl.cumsum(r, axis=0)
+                first = tl.min(tl.where((cum > target) & (vv < V), vv, V), axis=0)
+                if first < V:
+                    found = first
+                    searching = 0
+                running += tl.sum(r, axis=0)
+        tl.store(path + b * path_width, 0)
+        tl.store(accept_len + b, depth.to(tl.int64))
+        tl.store(bonus + b, found.to(tl.int64))
+
+    def spec_sample_triton(probs, tokens, parents, depth, q_ids, q_probs, sampled, u_accept, u_bonus) -> GreedyVerdict:
+        b, n, v = probs.shape
+        children, _ = child_table(parents)
+        c = max(1, int((children >= 0).sum(-1).max()))
+        children = children[:, :, :c].contiguous()
+        width = int(depth.max()) + 1
+        k = q_ids.shape[-1]
+        path = torch.full((b, width), -1, dtype=torch.long, device=probs.device)
+        accept_len = torch.empty(b, dtype=torch.long, device=probs.device)
+        bonus = torch.empty(b, dtype=torch.long, device=probs.device)
+        scratch = torch.empty(b, v, dtype=torch.float64, device=probs.device)
+        _spec_sample_kernel[(b,)](
+            probs.contiguous(), tokens.contiguous(), children, q_ids.contiguous(), q_probs.contiguous(),
+            sampled.to(torch.int8).contiguous(), u_accept.double().contiguous(), u_bonus.double().contiguous(),
+            scratch, path, accept_len, bonus, n, v, k, c, width - 1, width,
+            BLOCK_V=min(1024, triton.next_power_of_2(v)), BLOCK_K=triton.next_power_of_2(max(k, 1)),
+        )
+        return GreedyVerdict(path, accept_len, bonus)

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run through its CPU interpreter in tests; this must be set before
+# any kernel is defined. (Services never run Triton on CPU tensors, so they are unaffected.)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -37,3 +44,4 @@ def start_cluster(tmp_path_factory):
     yield start
     for c in clusters:
         c.stop()
+

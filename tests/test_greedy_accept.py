@@ -1,4 +1,5 @@
-"""kernels.greedy_accept against a brute-force walk over random trees (ragged, depth 1 included)."""
+"""kernels.greedy_accept (torch reference and Triton kernel, interpreted on CPU) against a
+brute-force walk over random trees (ragged batches, depth-1 trees and empty drafts included)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import random
 
 import torch
 
-from kernels.greedy_accept import greedy_accept
+import pytest
+
+from kernels.greedy_accept import greedy_accept_reference
+from kernels.triton_support import HAVE_TRITON
 from specdec.tree import DraftTree, pack_trees
 
 
@@ -36,15 +40,26 @@ def random_tree(rng: random.Random, vocab: int) -> DraftTree:
     return DraftTree(tokens, parents)
 
 
-def test_matches_brute_force_on_random_trees():
+def implementations():
+    impls = [("reference", lambda p, am: greedy_accept_reference(p.tokens, p.parents, p.depth, p.num_nodes, am))]
+    if HAVE_TRITON:
+        from kernels.greedy_accept import greedy_accept_triton
+
+        impls.append(("triton", lambda p, am: greedy_accept_triton(p.tokens, p.parents, p.depth, p.ancestors,
+                                                                  p.num_nodes, am)))
+    return impls
+
+
+@pytest.mark.parametrize("name, impl", implementations(), ids=lambda x: x if isinstance(x, str) else "")
+def test_matches_brute_force_on_random_trees(name, impl):
     rng = random.Random(0)
-    for _ in range(50):
+    for _ in range(25 if name == "triton" else 50):
         trees = [random_tree(rng, 4) for _ in range(rng.randint(1, 6))]
         roots = [rng.randrange(4) for _ in trees]
         packed = pack_trees(roots, trees, torch.device("cpu"))
         n = packed.tokens.shape[1]
         argmax = torch.randint(0, 4, (len(trees), n))
-        v = greedy_accept(packed.tokens, packed.parents, packed.depth, packed.num_nodes, argmax)
+        v = impl(packed, argmax)
         for b, (root, tree) in enumerate(zip(roots, trees)):
             path, bonus = brute_force(root, tree, argmax[b].tolist())
             assert v.path[b, : len(path)].tolist() == path

@@ -126,7 +126,8 @@ class VerifierEngine:
         logits = self.runner.forward(batch)  # [B, n, V]
         params = [s.sampling for s in states]
         if all(p.greedy for p in params):
-            verdict = greedy_accept(trees.tokens, trees.parents, trees.depth, trees.num_nodes, logits.argmax(-1))
+            verdict = greedy_accept(trees.tokens, trees.parents, trees.depth, trees.ancestors, trees.num_nodes,
+                                    logits.argmax(-1))
         else:
             q_ids, q_probs, sampled = pack_proposals([it.draft for _, it in items], n, self.device)
             seeds = seed_tensor(params, self.device)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_compact import compact
+
 
 class KVCache:
     def __init__(
@@ -42,9 +44,7 @@ class KVCache:
 
         slots: [B]; src, dst: [B, m]. Pad rows with src == dst (a no-op move).
         """
-        rows = slots[:, None].expand_as(src)
-        self.k[:, rows, dst] = self.k[:, rows, src]
-        self.v[:, rows, dst] = self.v[:, rows, src]
+        compact(self.k, self.v, slots, src, dst)
 
     def copy_prefix(self, src_slots: torch.Tensor, dst_slots: torch.Tensor, length: int) -> None:
         """Copy the first `length` entries of each src slot into its dst slot (shared prefills)."""

@@ -1,0 +1,18 @@
+"""Whether the Triton kernels run: on CUDA tensors with Triton installed; the torch references
+run everywhere else. (Tests call the kernels on CPU through TRITON_INTERPRET=1, see conftest.)"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - e.g. macOS
+    HAVE_TRITON = False
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    return HAVE_TRITON and all(t.is_cuda for t in tensors)
