@@ -55,9 +55,10 @@ def exact_distribution(target) -> dict[tuple[int, ...], float]:
     return dict(zip(outcomes, picked.prod(-1).tolist()))
 
 
-def sample_through_engines(target, draft, shape) -> Counter:
-    verifier = VerifierEngine(ModelRunner(load_model(target, torch.float64, torch.device("cpu"))), N, 32, 16)
-    drafter = DrafterEngine(ModelRunner(load_model(draft, torch.float64, torch.device("cpu"))), N, 32)
+def sample_through_engines(target, draft, shape, device: str = "cpu") -> Counter:
+    dtype = torch.float64 if device == "cpu" else torch.float32  # on CUDA: the Triton kernels' path
+    verifier = VerifierEngine(ModelRunner(load_model(target, dtype, torch.device(device))), N, 32, 16)
+    drafter = DrafterEngine(ModelRunner(load_model(draft, dtype, torch.device(device))), N, 32)
     ids = [f"s{i}" for i in range(N)]
     params = [SamplingParams(SAMPLING.temperature, SAMPLING.top_p, 0, seed=1000 + i) for i in range(N)]
     res = verifier.step(VerifierStep(0, open=[OpenSequence(sid, PROMPT, p) for sid, p in zip(ids, params)]))
@@ -99,10 +100,14 @@ def bound(dof: int) -> float:
     return dof + 6 * math.sqrt(2 * dof)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", [ChainShape(2), TreeShape(topk=2, depth=2, budget=4)], ids=["chain", "tree"])
-def test_speculative_sampling_matches_the_target_distribution(pair, shape):
+def test_speculative_sampling_matches_the_target_distribution(pair, shape, device):
     target, draft = pair
-    stat, dof = chi_square(sample_through_engines(target, draft, shape), exact_distribution(target))
+    stat, dof = chi_square(sample_through_engines(target, draft, shape, device), exact_distribution(target))
     assert stat < bound(dof), f"chi2={stat:.1f} with {dof} dof"
 
 
