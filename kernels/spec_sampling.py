@@ -98,7 +98,7 @@ if HAVE_TRITON:
     def _load_row(probs, res, row, V, BLOCK_V: tl.constexpr):
         """res <- probs[row] (as float64); -> its sum."""
         offs = tl.arange(0, BLOCK_V)
-        total = 0.0
+        total = tl.sum(tl.zeros([BLOCK_V], dtype=tl.float64), axis=0)  # a float64 zero (loop-carried)
         for start in range(0, V, BLOCK_V):
             mask = start + offs < V
             p = tl.load(probs + row * V + start + offs, mask=mask, other=0.0).to(tl.float64)
@@ -114,6 +114,7 @@ if HAVE_TRITON:
         offs = tl.arange(0, BLOCK_V)
         koffs = tl.arange(0, BLOCK_K)
         res = scratch + b * V
+        zero = tl.sum(tl.zeros([BLOCK_V], dtype=tl.float64), axis=0)
         total = _load_row(probs, res, b * n, V, BLOCK_V)
         cur = 0
         walking = 1
@@ -130,27 +131,24 @@ if HAVE_TRITON:
                         kmask = koffs < K
                         ids = tl.load(q_ids + node * K + koffs, mask=kmask, other=-1)
                         qp = tl.load(q_probs + node * K + koffs, mask=kmask, other=0.0).to(tl.float64)
-                        qx = tl.sum(tl.where(ids == x, qp, 0.0), axis=0)
-                        if not is_sampled:
-                            qx = 1.0
+                        qx = tl.where(is_sampled, tl.sum(tl.where(ids == x, qp, 0.0), axis=0), zero + 1.0)
                         rx = tl.load(res + x) / total
                         ratio = tl.minimum(rx / tl.maximum(qx, 1e-30), 1.0)
                         if tl.load(u_accept + node) < ratio:
                             taken = c
                         else:  # residual <- max(0, r/total - q)
-                            new_total = 0.0
+                            new_total = zero
                             for start in range(0, V, BLOCK_V):
                                 vv = start + offs
                                 mask = vv < V
                                 r = tl.load(res + vv, mask=mask, other=0.0) / total
                                 hit = vv[:, None] == ids[None, :]
-                                q = tl.sum(tl.where(hit, qp[None, :], 0.0), axis=1)
-                                if not is_sampled:
-                                    q = tl.where(vv == x, 1.0, 0.0)
+                                point = tl.where(vv == x, 1.0, 0.0).to(tl.float64)
+                                q = tl.where(is_sampled, tl.sum(tl.where(hit, qp[None, :], 0.0), axis=1), point)
                                 r = tl.maximum(r - q, 0.0)
                                 tl.store(res + vv, r, mask=mask)
                                 new_total += tl.sum(tl.where(mask, r, 0.0), axis=0)
-                            total = tl.maximum(new_total, 1e-300)
+                            total = tl.where(new_total > 0, new_total, total)  # r == q: cannot be rejected
                 if taken >= 0:
                     cur = taken
                     depth += 1
@@ -160,7 +158,7 @@ if HAVE_TRITON:
                     walking = 0
         # bonus: the first token whose cumulative mass exceeds u * total
         target = tl.load(u_bonus + b * n + cur) * total
-        running = 0.0
+        running = zero
         found = V - 1
         searching = 1
         for start in range(0, V, BLOCK_V):
@@ -181,7 +179,7 @@ if HAVE_TRITON:
         b, n, v = probs.shape
         children, _ = child_table(parents)
         c = max(1, int((children >= 0).sum(-1).max()))
-        children = children[:, :, :c].contiguous()
+        children = children[:, :, :c].to(torch.int32).contiguous()  # int32: loop-carried node ids
         width = int(depth.max()) + 1
         k = q_ids.shape[-1]
         path = torch.full((b, width), -1, dtype=torch.long, device=probs.device)

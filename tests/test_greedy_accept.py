@@ -56,9 +56,10 @@ def test_matches_brute_force_on_random_trees(name, impl):
     for _ in range(25 if name == "triton" else 50):
         trees = [random_tree(rng, 4) for _ in range(rng.randint(1, 6))]
         roots = [rng.randrange(4) for _ in trees]
-        packed = pack_trees(roots, trees, torch.device("cpu"))
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        packed = pack_trees(roots, trees, device)
         n = packed.tokens.shape[1]
-        argmax = torch.randint(0, 4, (len(trees), n))
+        argmax = torch.randint(0, 4, (len(trees), n), device=device)
         v = impl(packed, argmax)
         for b, (root, tree) in enumerate(zip(roots, trees)):
             path, bonus = brute_force(root, tree, argmax[b].tolist())

@@ -24,15 +24,7 @@ class ForwardBatch:
 
     def attention_mask(self) -> torch.Tensor:
         """[B, 1, n, kv_len] bool: True where a query may attend to a key."""
-        key_pos = torch.arange(self.kv_len, device=self.tokens.device)  # [T]
-        prefix = self.prefix_len[:, None]                                # [B, 1]
-        rel = key_pos[None, :] - prefix                                   # [B, T]
-        region_size = self.region_mask.shape[-1]
-        in_region = (rel >= 0) & (rel < region_size)
-        idx = rel.clamp(0, region_size - 1)[:, None, :].expand(-1, self.tokens.shape[1], -1)
-        region_ok = torch.gather(self.region_mask, 2, idx) & in_region[:, None, :]
-        visible = (key_pos[None, None, :] < prefix[:, :, None]) | region_ok
-        return visible[:, None]
+        return visibility_mask(self.prefix_len, self.region_mask, self.kv_len)
 
     @classmethod
     def build(
@@ -46,6 +38,19 @@ class ForwardBatch:
     ) -> ForwardBatch:
         kv_len = int(torch.maximum(write_pos.max(), (prefix_len - 1).max()).item()) + 1
         return cls(tokens, positions, slots, write_pos, prefix_len, region_mask, kv_len)
+
+
+def visibility_mask(prefix_len: torch.Tensor, region_mask: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """prefix_len [B], region_mask [B, n, R] -> [B, 1, n, kv_len] bool (see the module docstring)."""
+    key_pos = torch.arange(kv_len, device=region_mask.device)  # [T]
+    prefix = prefix_len[:, None]                                # [B, 1]
+    rel = key_pos[None, :] - prefix                              # [B, T]
+    region_size = region_mask.shape[-1]
+    in_region = (rel >= 0) & (rel < region_size)
+    idx = rel.clamp(0, region_size - 1)[:, None, :].expand(-1, region_mask.shape[1], -1)
+    region_ok = torch.gather(region_mask, 2, idx) & in_region[:, None, :]
+    visible = (key_pos[None, None, :] < prefix[:, :, None]) | region_ok
+    return visible[:, None]
 
 
 def causal_region(lengths: torch.Tensor, n: int) -> torch.Tensor:

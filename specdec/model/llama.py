@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from kernels.tree_attention import tree_attention
+from kernels.triton_support import use_triton
 from specdec.model.batch import ForwardBatch
 from specdec.model.kv_cache import KVCache
 from specdec.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
@@ -35,7 +36,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: ForwardBatch,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         cache: KVCache,
     ) -> torch.Tensor:
         b, n, _ = x.shape
@@ -44,15 +45,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         cache.write(self.layer_idx, batch.slots, batch.write_pos, k, v)
-        keys, values = cache.read(self.layer_idx, batch.slots, batch.kv_len)  # [B, T, Hkv, D]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),                 # [B, H, n, D]
-            keys.transpose(1, 2),              # [B, Hkv, T, D]
-            values.transpose(1, 2),
-            attn_mask=mask,                    # [B, 1, n, T]
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+        out = tree_attention(q, cache.k, cache.v, self.layer_idx, batch.slots, batch.prefix_len,
+                             batch.region_mask, batch.kv_len, mask)   # [B, n, H, D]
+        return self.o_proj(out.reshape(b, n, -1))
 
 
 class DecoderLayer(nn.Module):
@@ -97,7 +92,7 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.model.embed_tokens(batch.tokens)              # [B, n, h]
         cos, sin = self.model.rotary(batch.positions, x.dtype)  # [B, n, D]
-        mask = batch.attention_mask()
+        mask = None if use_triton(x) else batch.attention_mask()  # the Triton kernel masks on the fly
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch, mask, cache)
         if logit_index is not None:
