@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--no-drafter", action="store_true", help="run mode off only (no drafter process)")
     s.add_argument("--verifier-gpus", default=None, help="CUDA_VISIBLE_DEVICES of the verifier, e.g. 1")
     s.add_argument("--drafter-gpus", default=None, help="CUDA_VISIBLE_DEVICES of the drafter, e.g. 0")
+    s.add_argument("--tp", type=int, default=int(env("VERIFIER_TP", "1")), help="tensor-parallel ranks of the verifier")
     s.add_argument("--max-sequences", type=int, default=int(env("MAX_SEQUENCES", "32")))
     s.add_argument("--max-context", type=int, default=int(env("MAX_CONTEXT", "2048")))
 

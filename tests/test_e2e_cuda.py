@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from model_factory import hf_greedy
-from test_e2e_lossless import MODES, NEW_TOKENS, PROMPTS
+from test_e2e_lossless import MODES, check_every_mode
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -19,12 +19,7 @@ def test_cuda_every_mode_matches_hf_generate(shape, checkpoints, start_cluster):
     # fp32 without TF32: the same arithmetic class as the CPU reference, so argmax agrees.
     cluster = start_cluster(target, checkpoints[f"{shape}/draft"], device="cuda", dtype="float32")
     assert cluster.info("verifier").device == "cuda"
-    for prompt in PROMPTS:
-        expected = hf_greedy(target, prompt, NEW_TOKENS)
-        for mode, spec in MODES:
-            ids, final = cluster.generate(prompt, NEW_TOKENS, mode, **spec)
-            assert ids == expected, f"{shape} {mode} {spec}"
-            assert final.stats.mode == mode
+    check_every_mode(cluster, target)
 
 
 def test_cuda_concurrent_batch(checkpoints, start_cluster):
