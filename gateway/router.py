@@ -15,11 +15,15 @@ import structlog
 from gateway.backends import StepStream
 from gateway.replicas import Replica, ReplicaSet
 from gateway.request import ActiveRequest, Mode
-from gateway.scheduler import QueueFull, Scheduler
+from gateway.scheduler import Scheduler
 
 
 class NoBackend(RuntimeError):
     """No healthy verifier replica: the request gets UNAVAILABLE."""
+
+
+class QueueFull(RuntimeError):
+    """Too many requests wait for a KV slot: the request gets RESOURCE_EXHAUSTED."""
 
 
 class Router:
@@ -75,8 +79,8 @@ class Router:
                 min(i.max_sequences for i in infos))
 
     def _start_scheduler(self, replica: Replica) -> None:
-        sched = Scheduler(StepStream("verifier", replica.address), replica.info.max_sequences, self.max_queue,
-                          self.eos_ids, on_done=self._on_done, on_lost=self._on_lost)
+        sched = Scheduler(StepStream("verifier", replica.address), replica.info.max_sequences, self.eos_ids,
+                          on_done=self._on_done, on_lost=self._on_lost)
         self.schedulers[replica.address] = sched
         task = asyncio.get_running_loop().create_task(sched.run())
         self._tasks.add(task)

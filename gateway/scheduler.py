@@ -25,17 +25,12 @@ from specdec.rpc.convert import error_from_proto, sampling_to_proto, tree_from_p
 from specdec.tree import DraftTree
 
 
-class QueueFull(RuntimeError):
-    pass
-
-
 class Scheduler:
-    def __init__(self, verifier: StepStream, max_sequences: int, max_queue: int, eos_ids: set[int],
+    def __init__(self, verifier: StepStream, max_sequences: int, eos_ids: set[int],
                  on_done: Callable[[ActiveRequest], None] = lambda r: None,
                  on_lost: Callable[[str, str], None] = lambda role, address: None) -> None:
         self.verifier = verifier
         self.max_sequences = max_sequences
-        self.max_queue = max_queue
         self.eos_ids = eos_ids
         self.on_done = on_done      # a request left this scheduler (router bookkeeping)
         self.on_lost = on_lost      # a backend stream broke (router marks the replica down)

@@ -11,8 +11,7 @@ import structlog
 
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.request import ActiveRequest, GenerationRequest, InvalidRequest
-from gateway.router import NoBackend, Router
-from gateway.scheduler import QueueFull
+from gateway.router import NoBackend, QueueFull, Router
 from gateway.validation import RequestValidator
 from specdec.rpc import gateway_pb2, gateway_pb2_grpc
 

@@ -94,3 +94,23 @@ def test_lost_verifier_gives_unavailable(checkpoints, start_cluster):
     with pytest.raises(grpc.RpcError) as err:
         own.generate([1, 2, 3], 5, "off", timeout=30)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_full_queue_gives_resource_exhausted(checkpoints, start_cluster):
+    """One KV slot, room for one waiting request: of three long concurrent requests, the one
+    that finds the queue full gets RESOURCE_EXHAUSTED and the others complete."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    own = start_cluster(checkpoints["llama-gqa"], None, extra=["--max-sequences", "1"],
+                        gateway_extra=["--max-queue", "1"])
+
+    def call(_):
+        try:
+            return own.generate([1, 2, 3], 200, "off")[0]
+        except grpc.RpcError as exc:
+            return exc.code()
+
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(call, range(3)))
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in results
+    assert any(isinstance(r, list) and len(r) == 200 for r in results)
