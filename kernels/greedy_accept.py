@@ -69,7 +69,7 @@ def greedy_accept_reference(
 
 if HAVE_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "path_width"])
     def _greedy_accept_kernel(tokens, parents, depth, ancestors, num_nodes, argmax, path, accept_len, bonus,
                               n, path_width, BLOCK: tl.constexpr):
         b = tl.program_id(0)

@@ -33,7 +33,7 @@ def compact_reference(k, v, slots, src, dst) -> None:
 
 if HAVE_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["m", "n_slots", "slot_len"])
     def _compact_kernel(cache, slots, src, dst, m, n_slots, slot_len, row_size, BLOCK: tl.constexpr):
         b = tl.program_id(0)
         layer = tl.program_id(1)

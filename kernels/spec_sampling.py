@@ -97,6 +97,7 @@ if HAVE_TRITON:
     @triton.jit
     def _load_row(probs, res, row, V, BLOCK_V: tl.constexpr):
         """res <- probs[row] (as float64); -> its sum."""
+        row = row.to(tl.int64)  # row * V passes 2**31 for large batches at 128k vocabularies
         offs = tl.arange(0, BLOCK_V)
         total = tl.sum(tl.zeros([BLOCK_V], dtype=tl.float64), axis=0)  # a float64 zero (loop-carried)
         for start in range(0, V, BLOCK_V):
@@ -106,7 +107,7 @@ if HAVE_TRITON:
             total += tl.sum(p, axis=0)
         return total
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "K", "C", "max_depth", "path_width"])
     def _spec_sample_kernel(probs, tokens, children, q_ids, q_probs, sampled, u_accept, u_bonus, scratch,
                             path, accept_len, bonus, n, V, K, C, max_depth, path_width,
                             BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):

@@ -46,7 +46,7 @@ def tree_attention_reference(q, k_cache, v_cache, layer, slots, prefix_len, regi
 
 if HAVE_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["layer", "n", "R", "n_slots", "slot_len"])
     def _tree_attention_kernel(q, k, v, out, slots, prefix_len, region, layer, n, R, n_slots, slot_len,
                                sm_scale, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr):
