@@ -13,7 +13,15 @@ import torch
 
 from drafter_svc.tree_draft import expand_trees
 from drafter_svc.types import (
-    MAX_CHAIN_K, MAX_TREE_DEPTH, MAX_TREE_TOPK, ChainShape, Draft, DraftItem, DrafterStep, DrafterStepResult, TreeShape,
+    MAX_CHAIN_K,
+    MAX_TREE_DEPTH,
+    MAX_TREE_TOPK,
+    ChainShape,
+    Draft,
+    DrafterStep,
+    DrafterStepResult,
+    DraftItem,
+    TreeShape,
 )
 from specdec.errors import ErrorCode, SequenceError
 from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded

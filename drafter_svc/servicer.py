@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from drafter_svc.types import ChainShape, DraftItem, DrafterStep, DrafterStepResult, TreeShape
+from drafter_svc.types import ChainShape, DrafterStep, DrafterStepResult, DraftItem, TreeShape
 from specdec.rpc import drafter_pb2, drafter_pb2_grpc
 from specdec.rpc.convert import error_to_proto, sampling_from_proto, tree_to_proto
 from specdec.step_servicer import StepStreamServicer
