@@ -111,7 +111,8 @@ def main() -> None:
     cluster = Cluster(target, draft, device=a.device, dtype=dtype, extra=["--max-sequences", "64"]).start()
     rows = []
     try:
-        one(cluster, prompts[0], 8, "chain", {})  # warm-up (allocations, kernels)
+        for mode, spec in (CONFIGS[name] for name in a.configs):  # warm-up: allocations, kernel compiles
+            run_config(cluster, prompts, 16, mode, spec, max(a.concurrency))
         total = len(a.concurrency) * len(a.configs)
         with tqdm(total=total, desc="benchmark", file=sys.stderr) as bar:
             for c in a.concurrency:

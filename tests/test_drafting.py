@@ -34,7 +34,8 @@ def test_tree_nodes_score_their_paths(checkpoints):
                 chain.append(tree.token_ids[i - 1])
                 i = tree.parents[i - 1]
             seq = ctx + chain[::-1]
-            logp = torch.log_softmax(hf(torch.tensor([seq])).logits[0], -1)
+            with torch.no_grad():
+                logp = torch.log_softmax(hf(torch.tensor([seq])).logits[0], -1)
             expected = logp[len(ctx) - 1, chain[-1]] if len(chain) == 1 else logp[len(seq) - 2, seq[-1]]
             assert abs(tree.logprobs[node - 1] - float(expected)) < 1e-6
 
