@@ -49,8 +49,7 @@ class DrafterEngine:
         self.table = SequenceTable(max_sequences, spec.vocab_size, self.max_context)
 
     def close(self, seq_ids: list[str]) -> None:
-        for sid in seq_ids:
-            self.table.close(sid)
+        self.table.close_all(seq_ids)
 
     def step(self, req: DrafterStep) -> DrafterStepResult:
         result = DrafterStepResult(req.step)
@@ -125,7 +124,8 @@ class DrafterEngine:
         tokens, lengths = ragged_to_padded(feeds, 0, self.device)
         start = torch.tensor(starts, device=self.device)
         pos = start[:, None] + torch.arange(tokens.shape[1], device=self.device)
-        batch = ForwardBatch.build(tokens, pos, self._slots(states), pos, start, causal_region(lengths, tokens.shape[1]))
+        slots = self.table.slots(states, self.device)
+        batch = ForwardBatch.build(tokens, pos, slots, pos, start, causal_region(lengths, tokens.shape[1]))
         return self.runner.forward(batch, logit_index=(lengths - 1)[:, None])[:, 0]
 
     def _draft_chains(self, states: list[SequenceState], ks: list[int], params: list[SamplingParams],
@@ -133,7 +133,7 @@ class DrafterEngine:
         """Chains of ks[i] tokens, one batched single-token forward per extra token: greedy, or
         sampled from each row's top-PROPOSAL_K draft distribution (returned as proposals)."""
         steps = max(ks)
-        slots = self._slots(states)
+        slots = self.table.slots(states, self.device)
         pos = torch.tensor([len(s.kv_tokens) for s in states], device=self.device)  # next write position
         sampling = not all(p.greedy for p in params)
         seeds = seed_tensor(params, self.device) if sampling else None
@@ -170,6 +170,3 @@ class DrafterEngine:
                          if sampling and not params[i].greedy else None)
             out.append(DraftTree.chain(row[:k], lp[:k], proposals))
         return out
-
-    def _slots(self, states: list[SequenceState]) -> torch.Tensor:
-        return torch.tensor([s.slot for s in states], dtype=torch.long, device=self.device)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from specdec.errors import ErrorCode, SequenceError
 from specdec.sampling import GREEDY, SamplingParams
 
@@ -49,6 +51,15 @@ class SequenceTable:
         self.opened += 1
         self._seqs[seq_id] = state
         return state
+
+    def close_all(self, seq_ids: list[str]) -> None:
+        for sid in seq_ids:
+            self.close(sid)
+
+    @staticmethod
+    def slots(states: list[SequenceState], device: torch.device) -> torch.Tensor:
+        """[B] int64 KV slots of the given sequences."""
+        return torch.tensor([s.slot for s in states], dtype=torch.long, device=device)
 
     def close(self, seq_id: str) -> bool:
         state = self._seqs.pop(seq_id, None)

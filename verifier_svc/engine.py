@@ -31,8 +31,7 @@ class VerifierEngine:
         self.table = SequenceTable(max_sequences, spec.vocab_size, self.max_context)
 
     def close(self, seq_ids: list[str]) -> None:
-        for sid in seq_ids:
-            self.table.close(sid)
+        self.table.close_all(seq_ids)
 
     def step(self, req: VerifierStep) -> VerifierStepResult:
         result = VerifierStepResult(req.step)
@@ -73,7 +72,8 @@ class VerifierEngine:
         if problem:
             return SequenceError(item.seq_id, ErrorCode.INVALID, problem)
         if len(state.tokens) >= self.max_context:
-            return SequenceError(item.seq_id, ErrorCode.OUT_OF_CAPACITY, f"sequence reached the context limit {self.max_context}")
+            return SequenceError(item.seq_id, ErrorCode.OUT_OF_CAPACITY,
+                                 f"sequence reached the context limit {self.max_context}")
         return state
 
     def _prefill(self, opened: list[tuple[SequenceState, str]]) -> list[Verdict]:
@@ -88,14 +88,14 @@ class VerifierEngine:
         n = tokens.shape[1]
         positions = torch.arange(n, device=self.device).expand_as(tokens)
         batch = ForwardBatch.build(
-            tokens, positions, self._slots(leaders), positions,
+            tokens, positions, self.table.slots(leaders, self.device), positions,
             torch.zeros_like(lengths), causal_region(lengths, n),
         )
         logits = self.runner.forward(batch, logit_index=(lengths - 1)[:, None])  # [L, 1, V]
         followers = [s for s, _ in opened if leader_of[s.seq_id] is not s]
         if followers:
-            src = self._slots([leader_of[s.seq_id] for s in followers])
-            self.runner.copy_prefix(src, self._slots(followers), int(lengths.max()))
+            src = self.table.slots([leader_of[s.seq_id] for s in followers], self.device)
+            self.runner.copy_prefix(src, self.table.slots(followers, self.device), int(lengths.max()))
         row = {s.seq_id: i for i, s in enumerate(leaders)}
         states = [s for s, _ in opened]
         logits = logits[[row[leader_of[s.seq_id].seq_id] for s in states]]      # [B, 1, V]
@@ -118,7 +118,7 @@ class VerifierEngine:
         trees = pack_trees([s.tokens[-1] for s in states], [it.draft for _, it in items], self.device)
         n = trees.tokens.shape[1]
         kv_start = torch.tensor([len(s.tokens) - 1 for s in states], device=self.device)  # [B]
-        slots = self._slots(states)
+        slots = self.table.slots(states, self.device)
         batch = ForwardBatch.build(
             trees.tokens, kv_start[:, None] + trees.depth, slots,
             kv_start[:, None] + torch.arange(n, device=self.device), kv_start, trees.ancestors,
@@ -151,6 +151,3 @@ class VerifierEngine:
             s.tokens += new
             out.append(Verdict(s.seq_id, len(s.tokens), new, a))
         return out
-
-    def _slots(self, states: list[SequenceState]) -> torch.Tensor:
-        return torch.tensor([s.slot for s in states], dtype=torch.long, device=self.device)
