@@ -9,10 +9,12 @@ a replica whose stream breaks is marked down at once and used again once healthy
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import structlog
 
 from gateway.backends import StepStream
+from gateway.hold import NO_HOLD, HoldGate
 from gateway.replicas import Replica, ReplicaSet
 from gateway.request import ActiveRequest, Mode
 from gateway.scheduler import Scheduler
@@ -27,14 +29,17 @@ class QueueFull(RuntimeError):
 
 
 class Router:
-    def __init__(self, verifier_spec: str, drafter_spec: str | None, max_queue: int, eos_ids: set[int]) -> None:
+    def __init__(self, verifier_spec: str, drafter_spec: str | None, max_queue: int, eos_ids: set[int],
+                 hold: HoldGate = NO_HOLD) -> None:
         self.verifiers = ReplicaSet("verifier", verifier_spec)
         self.drafters = ReplicaSet("drafter", drafter_spec) if drafter_spec else None
         self.max_queue = max_queue
         self.eos_ids = eos_ids
+        self.hold = hold
         self.schedulers: dict[str, Scheduler] = {}
         self.vocab_size: int | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._lost = asyncio.Event()  # a scheduler saw a replica's stream break: re-check now
         self.log = structlog.get_logger(service="gateway")
 
     async def wait_ready(self, timeout: float, poll: float = 0.5) -> None:
@@ -63,13 +68,25 @@ class Router:
             if replica.address not in self.schedulers:
                 self._start_scheduler(replica)
 
-    async def run(self, interval: float) -> None:
+    @property
+    def can_serve(self) -> bool:
+        """A request could be served now: some verifier is healthy (drafters are optional)."""
+        return bool(self.verifiers.healthy())
+
+    async def run(self, interval: float, report: Callable[[bool], Awaitable[None]]) -> None:
+        """Re-resolve and health-check every `interval` seconds, at once after a replica was
+        lost, and report whether a request can be served now."""
         while True:
-            await asyncio.sleep(interval)
+            try:
+                await asyncio.wait_for(self._lost.wait(), interval)
+            except TimeoutError:
+                pass
+            self._lost.clear()
             try:
                 await self.refresh()
             except Exception:  # keep routing with what we know
                 self.log.exception("replica refresh failed")
+            await report(self.can_serve)
 
     def limits(self) -> tuple[int, int, int]:
         """(max_context, max_draft_tokens, max_sequences) that every healthy replica accepts."""
@@ -80,7 +97,7 @@ class Router:
 
     def _start_scheduler(self, replica: Replica) -> None:
         sched = Scheduler(StepStream("verifier", replica.address), replica.info.max_sequences, self.eos_ids,
-                          on_done=self._on_done, on_lost=self._on_lost)
+                          on_done=self._on_done, on_lost=self._on_lost, hold=self.hold)
         self.schedulers[replica.address] = sched
         task = asyncio.get_running_loop().create_task(sched.run())
         self._tasks.add(task)
@@ -111,3 +128,4 @@ class Router:
 
     def _on_lost(self, role: str, address: str) -> None:
         (self.verifiers if role == "verifier" else self.drafters).mark_down(address)
+        self._lost.set()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import structlog
 
 from gateway.backends import BackendLost, StepStream
+from gateway.hold import NO_HOLD, POLL_SECONDS, HoldGate
 from gateway.request import ActiveRequest, Event, Mode
 from specdec.errors import ErrorCode
 from specdec.rpc import drafter_pb2, verifier_pb2
@@ -28,12 +29,14 @@ from specdec.tree import DraftTree
 class Scheduler:
     def __init__(self, verifier: StepStream, max_sequences: int, eos_ids: set[int],
                  on_done: Callable[[ActiveRequest], None] = lambda r: None,
-                 on_lost: Callable[[str, str], None] = lambda role, address: None) -> None:
+                 on_lost: Callable[[str, str], None] = lambda role, address: None,
+                 hold: HoldGate = NO_HOLD) -> None:
         self.verifier = verifier
         self.max_sequences = max_sequences
         self.eos_ids = eos_ids
         self.on_done = on_done      # a request left this scheduler (router bookkeeping)
         self.on_lost = on_lost      # a backend stream broke (router marks the replica down)
+        self.hold = hold            # test-only: requests held at a token count
         self.drafters: dict[str, StepStream] = {}  # this scheduler's stream to each drafter replica
         self.pending: deque[ActiveRequest] = deque()
         self.active: dict[str, ActiveRequest] = {}
@@ -61,9 +64,15 @@ class Scheduler:
     # ---- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:
         while True:
-            if not (self.active or self.pending or self.close_verifier or any(self.close_drafter.values())):
+            if not self._has_work():
                 self.wakeup.clear()
-                await self.wakeup.wait()
+                if self.active:  # all held (test hook): look at the hold files again soon
+                    try:
+                        await asyncio.wait_for(self.wakeup.wait(), POLL_SECONDS)
+                    except TimeoutError:
+                        pass
+                else:
+                    await self.wakeup.wait()
                 continue
             try:
                 await self._step()
@@ -77,6 +86,11 @@ class Scheduler:
                 self.verifier.reset()
                 self._fail_all("INTERNAL", f"internal error in the gateway step loop: {exc}")
 
+    def _has_work(self) -> bool:
+        room = len(self.active) < self.max_sequences
+        return bool((self.pending and room) or self.close_verifier or any(self.close_drafter.values())
+                    or any(r.cancelled or not self.hold.held(r) for r in self.active.values()))
+
     async def _step(self) -> None:
         self.step_no += 1
         for r in [r for r in self.active.values() if r.cancelled]:
@@ -84,7 +98,7 @@ class Scheduler:
             self._retire(r)
         opens = self._admit()
         opened = {r.seq_id for r in opens}
-        continuing = [r for r in self.active.values() if r not in opens]
+        continuing = [r for r in self.active.values() if r not in opens and not self.hold.held(r)]
         need = [r for r in continuing if r.mode != Mode.OFF and r.draft is None]
         if need:
             await self._draft_all(need, predraft=False)

@@ -7,6 +7,7 @@ import json
 
 from transformers import AutoTokenizer
 
+from gateway.hold import HoldGate
 from gateway.router import Router
 from gateway.servicer import GatewayServicer
 from gateway.validation import RequestValidator
@@ -35,13 +36,24 @@ def run_gateway(cfg: GatewayConfig) -> None:
 
     async def on_start(state: ServingState) -> None:
         await state.set_serving(False)
-        router = Router(cfg.verifier, cfg.drafter, cfg.max_queue, eos_ids(tokenizer, cfg.tokenizer_dir))
+        router = Router(cfg.verifier, cfg.drafter, cfg.max_queue, eos_ids(tokenizer, cfg.tokenizer_dir),
+                        HoldGate(cfg.test_hold_dir))
         log.info("waiting for backends", verifier=cfg.verifier, drafter=cfg.drafter)
         await router.wait_ready(BACKEND_WAIT_SECONDS)
         max_context, max_draft_tokens, max_sequences = router.limits()
         servicer.attach(RequestValidator(cfg, tokenizer, router.vocab_size, max_context, max_draft_tokens,
                                          max_sequences), router)
-        tasks.add(asyncio.get_running_loop().create_task(router.run(cfg.resolve_interval)))
+        serving = True
+
+        async def report(can_serve: bool) -> None:
+            """Health follows the backends: SERVING only while a verifier replica is healthy."""
+            nonlocal serving
+            if can_serve != serving:
+                log.warning("serving again" if can_serve else "no healthy verifier; health is NOT_SERVING")
+                serving = can_serve
+                await state.set_serving(can_serve)
+
+        tasks.add(asyncio.get_running_loop().create_task(router.run(cfg.resolve_interval, report)))
         await state.set_serving(True)
         log.info("backends ready", verifiers=len(router.verifiers.healthy()),
                  drafters=len(router.drafters.healthy()) if router.drafters else 0, max_context=max_context)

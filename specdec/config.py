@@ -78,6 +78,7 @@ class GatewayConfig:
     default_depth: int
     default_budget: int
     resolve_interval: float
+    test_hold_dir: Path | None = None
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -100,9 +101,13 @@ class GatewayConfig:
         p.add_argument("--topk", type=int, default=int(env("TREE_TOPK", "4")))
         p.add_argument("--depth", type=int, default=int(env("TREE_DEPTH", "4")))
         p.add_argument("--budget", type=int, default=int(env("TREE_BUDGET", "16")))
+        p.add_argument("--test-hold-dir", default=env("TEST_HOLD_DIR"),
+                       help="tests only: a file DIR/<request_id> holding N stops that request after N tokens "
+                            "until the file is removed (gateway/hold.py)")
 
     @classmethod
     def from_args(cls, a: argparse.Namespace, tokenizer_dir: Path) -> GatewayConfig:
         drafter = None if (a.drafter or "none").lower() == "none" else a.drafter
         return cls(a.listen, a.verifier, drafter, tokenizer_dir, a.max_queue, a.max_new_tokens,
-                   a.k, a.topk, a.depth, a.budget, a.resolve_interval)
+                   a.k, a.topk, a.depth, a.budget, a.resolve_interval,
+                   Path(a.test_hold_dir) if a.test_hold_dir else None)

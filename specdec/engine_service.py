@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 from specdec.config import EngineServiceConfig
@@ -9,7 +10,7 @@ from specdec.log import configure_logging
 from specdec.model.parallel import TPLayout
 from specdec.model.spec import ModelSpec
 from specdec.rpc import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
-from specdec.serving import run, serve
+from specdec.serving import ServingState, run, serve
 
 
 def run_engine_service(cfg: EngineServiceConfig) -> None:
@@ -31,6 +32,7 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
     if cfg.role == "verifier":
         from verifier_svc.engine import VerifierEngine
         from verifier_svc.servicer import VerifierServicer
+        from verifier_svc.warmup import warm_up
 
         engine = VerifierEngine(runner, cfg.max_sequences, cfg.max_context, cfg.max_draft_tokens)
         info.max_context = engine.max_context
@@ -39,13 +41,27 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
     else:
         from drafter_svc.engine import DrafterEngine
         from drafter_svc.servicer import DrafterServicer
+        from drafter_svc.warmup import warm_up
 
         engine = DrafterEngine(runner, cfg.max_sequences, cfg.max_context)
         info.max_context = engine.max_context
         servicer = DrafterServicer(engine, info, log, executor)
         register = lambda server: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)  # noqa: E731
+
+    async def on_start(state: ServingState) -> None:
+        """NOT_SERVING until every kernel path has run once (compiled, on the GPU) without error."""
+        await state.set_serving(False)
+        log.info("warming up")
+        try:
+            await asyncio.get_running_loop().run_in_executor(executor, warm_up, engine)
+        except Exception as exc:
+            log.exception("warm-up failed; exiting")
+            raise SystemExit(f"{cfg.role}: warm-up failed, the engine cannot serve: {exc}") from exc
+        await state.set_serving(True)
+        log.info("ready")
+
     try:
-        run(serve(cfg.listen, register, log))
+        run(serve(cfg.listen, register, log, on_start))
     finally:
         executor.submit(runner.shutdown).result()
         executor.shutdown()

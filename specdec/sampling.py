@@ -8,6 +8,7 @@ for a different decision. Greedy (temperature 0) is the one-hot distribution at 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,8 +32,8 @@ class SamplingParams:
         return self.temperature <= 0.0
 
     def problem(self) -> str | None:
-        if not self.temperature >= 0.0:
-            return f"temperature={self.temperature} must be >= 0"
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            return f"temperature={self.temperature} must be a finite number >= 0"
         if not 0.0 <= self.top_p <= 1.0:
             return f"top_p={self.top_p} must be in [0, 1]"
         if self.top_k < 0:

@@ -22,8 +22,10 @@ class ServingState:
 
     def __init__(self) -> None:
         self.health = health.aio.HealthServicer()
+        self.stopping = False  # once shutting down, nothing turns it back to SERVING
 
     async def set_serving(self, serving: bool) -> None:
+        serving = serving and not self.stopping
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         await self.health.set("", status)
 
@@ -52,6 +54,7 @@ async def serve(
     log.info("listening", address=listen)
     await stop.wait()
     log.info("shutting down")
+    state.stopping = True
     await state.set_serving(False)
     await server.stop(grace=2.0)
 

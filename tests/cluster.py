@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,7 +48,7 @@ class Cluster:
     def __init__(self, target: Path, draft: Path | None, device: str = "cpu", dtype: str = "float64",
                  log_dir: Path | None = None, extra: list[str] | None = None,
                  verifier_extra: list[str] | None = None, verifiers: int = 1, drafters: int = 1,
-                 gateway_extra: list[str] | None = None) -> None:
+                 gateway_extra: list[str] | None = None, hold: bool = False) -> None:
         base = [sys.executable, "-m", "specdec.cli"]
         dev = ["--device", device, "--dtype", dtype, *(extra or [])]
         names = {"verifier": [replica_name("verifier", i) for i in range(verifiers)],
@@ -59,26 +60,44 @@ class Cluster:
                                    *(verifier_extra or [])]
         for name in names["drafter"]:
             self.commands[name] = [*base, "drafter", "--model", str(draft), "--listen", self.addr[name], *dev]
+        # The gateway's test-only hold hook (gateway/hold.py): see hold() and release().
+        self.hold_dir = Path(tempfile.mkdtemp(prefix="specdec-hold-")) if hold else None
         self.commands["gateway"] = [
             *base, "gateway", "--listen", self.addr["gateway"], "--target", str(target),
             "--verifier", ",".join(self.addr[n] for n in names["verifier"]),
             "--drafter", ",".join(self.addr[n] for n in names["drafter"]) or "none", *(gateway_extra or []),
+            *(["--test-hold-dir", str(self.hold_dir)] if hold else []),
         ]
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self) -> Cluster:
-        for name, command in self.commands.items():  # backends first, the gateway last
+        for name in self.commands:  # backends first, the gateway last
             if name == "gateway":  # like compose's depends_on: service_healthy
                 for backend, proc in self.procs.items():
                     wait_serving(self.addr[backend], proc=proc)
-            out = open(self.log_dir / f"{name}.log", "w") if self.log_dir else subprocess.DEVNULL
-            self.procs[name] = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self._spawn(name)
         wait_serving(self.addr["gateway"], proc=self.procs["gateway"])
         self.channel = grpc.insecure_channel(self.addr["gateway"])
         self.gateway = gateway_pb2_grpc.GatewayStub(self.channel)
         return self
+
+    def hold(self, request_id: str, after_tokens: int) -> None:
+        """Every sample of `request_id` stops advancing once it has generated `after_tokens`."""
+        (self.hold_dir / request_id).write_text(str(after_tokens))
+
+    def release(self, request_id: str) -> None:
+        (self.hold_dir / request_id).unlink(missing_ok=True)
+
+    def _spawn(self, name: str) -> None:
+        out = open(self.log_dir / f"{name}.log", "a") if self.log_dir else subprocess.DEVNULL
+        self.procs[name] = subprocess.Popen(self.commands[name], stdout=out, stderr=subprocess.STDOUT,
+                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def restart(self, name: str) -> None:
+        """Start a killed service again on its address; returns once it is SERVING."""
+        self._spawn(name)
+        wait_serving(self.addr[name], proc=self.procs[name])
 
     def kill(self, name: str) -> None:
         self.procs[name].send_signal(signal.SIGKILL)
@@ -100,8 +119,9 @@ class Cluster:
             return stub_cls(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=10)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, mode: str = "chain", timeout: float = 120,
-                 sampling: dict | None = None, **spec) -> tuple[list[int], gateway_pb2.FinalInfo]:
+                 sampling: dict | None = None, request_id: str = "", **spec) -> tuple[list[int], gateway_pb2.FinalInfo]:
         req = request(prompt_ids, max_new_tokens, mode, **spec)
+        req.request_id = request_id
         if sampling:
             req.sampling.CopyFrom(gateway_pb2.Sampling(**sampling))
         ids: list[int] = []

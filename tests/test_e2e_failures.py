@@ -23,7 +23,19 @@ def wait_idle(cluster, names=("verifier", "drafter"), timeout: float = 10.0) -> 
 
 @pytest.fixture(scope="module")
 def cluster(checkpoints, start_cluster):
-    return start_cluster(checkpoints["llama-gqa"], checkpoints["llama-gqa/draft"])
+    return start_cluster(checkpoints["llama-gqa"], checkpoints["llama-gqa/draft"], hold=True)
+
+
+def held_stream(cluster, rid: str, after: int, req: gateway_pb2.GenerateRequest, timeout: float = 120):
+    """Start `req` as `rid`, held after `after` tokens; -> (stream, tokens received up to the hold).
+    Nothing more arrives until cluster.release(rid): what follows happens mid-request by construction."""
+    cluster.hold(rid, after)
+    req.request_id = rid
+    stream = cluster.gateway.Generate(req, timeout=timeout)
+    ids: list[int] = []
+    while len(ids) < after:
+        ids += next(stream).token_ids
+    return stream, ids
 
 
 @pytest.mark.parametrize("req, fix_hint", [
@@ -50,67 +62,83 @@ def test_service_keeps_serving_after_bad_input(cluster, checkpoints):
 
 
 def test_client_cancel_frees_state_everywhere(cluster):
-    stream = cluster.gateway.Generate(request([1, 2, 3], 240, "chain", k=2), timeout=60)
-    got = next(stream)
-    assert got.token_ids
+    stream, _ = held_stream(cluster, "cancel-me", 2, request([1, 2, 3], 240, "chain", k=2))
+    # Held after a verify step: both engines hold the sequence's KV right now.
+    assert cluster.info("verifier").active_sequences == 1 and cluster.info("drafter").active_sequences == 1
     stream.cancel()
     wait_idle(cluster)
+    cluster.release("cancel-me")
 
 
 def test_deadline_frees_state_everywhere(cluster):
+    stream, got = held_stream(cluster, "deadline", 2, request([9, 8, 7], 240, "tree"), timeout=3)
+    assert cluster.info("verifier").active_sequences == 1
     with pytest.raises(grpc.RpcError) as err:
-        for _ in cluster.gateway.Generate(request([9, 8, 7], 240, "tree"), timeout=0.5):
+        for _ in stream:  # held: the deadline expires mid-request
             pass
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_idle(cluster)
+    cluster.release("deadline")
 
 
 def test_lost_drafter_changes_no_token(checkpoints, start_cluster):
     target = checkpoints["llama-gqa"]
-    own = start_cluster(target, checkpoints["llama-gqa/draft"])
+    own = start_cluster(target, checkpoints["llama-gqa/draft"], hold=True)
     prompt, n = [3, 1, 4, 1, 5, 9, 2, 6], 200
-    ids = []
+    stream, ids = held_stream(own, "lose-drafter", 8, request(prompt, n, "chain", k=3))
+    assert own.info("drafter").active_sequences == 1  # the drafter holds this sequence's state
+    own.kill("drafter")
+    own.release("lose-drafter")
     final = None
-    for i, msg in enumerate(own.gateway.Generate(request(prompt, n, "chain", k=3), timeout=120)):
+    for msg in stream:
         ids += msg.token_ids
-        if i == 2:
-            own.kill("drafter")
         if msg.HasField("final"):
             final = msg.final
     assert ids == hf_greedy(target, prompt, n)
-    assert final.stats.mode == "off"
+    assert final.stats.mode == "off" and final.stats.steps > 0  # it speculated, then fell back
     # New requests still work (mode off while the drafter is gone).
     again, final = own.generate(prompt, 12, "chain")
     assert again == ids[:12] and final.stats.mode == "off"
 
 
 def test_lost_verifier_gives_unavailable(checkpoints, start_cluster):
-    own = start_cluster(checkpoints["llama-gqa"], checkpoints["llama-gqa/draft"])
+    own = start_cluster(checkpoints["llama-gqa"], checkpoints["llama-gqa/draft"], hold=True)
+    stream, _ = held_stream(own, "lose-verifier", 2, request([1, 2, 3], 240, "chain"))
+    own.kill("verifier")
+    own.release("lose-verifier")
     with pytest.raises(grpc.RpcError) as err:
-        for i, _ in enumerate(own.gateway.Generate(request([1, 2, 3], 240, "chain"), timeout=60)):
-            if i == 1:
-                own.kill("verifier")
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        list(stream)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "verifier" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
         own.generate([1, 2, 3], 5, "off", timeout=30)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def test_full_queue_gives_resource_exhausted(checkpoints, start_cluster):
-    """One KV slot, room for one waiting request: of three long concurrent requests, the one
-    that finds the queue full gets RESOURCE_EXHAUSTED and the others complete."""
+    """One KV slot, room for one waiting request: with one request running (held) and one
+    waiting, a third gets RESOURCE_EXHAUSTED; the first two then complete exactly."""
     from concurrent.futures import ThreadPoolExecutor
 
-    own = start_cluster(checkpoints["llama-gqa"], None, extra=["--max-sequences", "1"],
-                        gateway_extra=["--max-queue", "1"])
+    target = checkpoints["llama-gqa"]
+    own = start_cluster(target, None, extra=["--max-sequences", "1"], gateway_extra=["--max-queue", "1"], hold=True)
+    running, _ = held_stream(own, "running", 1, request([1, 2, 3], 200, "off"))
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(own.generate, [4, 5, 6], 30, "off", request_id="waiting")
+        wait_logged(own, "request started", "waiting")  # it is in the queue
+        with pytest.raises(grpc.RpcError) as err:
+            own.generate([7, 8, 9], 5, "off", request_id="refused")
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "waiting" in err.value.details()
+        own.release("running")
+        rest = [t for msg in running for t in msg.token_ids]
+        assert waiting.result()[0] == hf_greedy(target, [4, 5, 6], 30)
+    assert len(rest) == 199  # the first token came before the hold
 
-    def call(_):
-        try:
-            return own.generate([1, 2, 3], 200, "off")[0]
-        except grpc.RpcError as exc:
-            return exc.code()
 
-    with ThreadPoolExecutor(3) as pool:
-        results = list(pool.map(call, range(3)))
-    assert grpc.StatusCode.RESOURCE_EXHAUSTED in results
-    assert any(isinstance(r, list) and len(r) == 200 for r in results)
+def wait_logged(cluster, event: str, request_id: str, timeout: float = 30.0) -> None:
+    log = cluster.log_dir / "gateway.log"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(event in line and f"request_id={request_id}" in line for line in log.read_text().splitlines()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"gateway never logged {event!r} for {request_id}")

@@ -5,7 +5,7 @@ were running on the lost verifier, while the survivors take new requests."""
 from __future__ import annotations
 
 import re
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -22,31 +22,62 @@ def jobs(count: int, new_tokens: int, seed: int = 0) -> list[tuple[str, list[int
              *MODES[i % len(MODES)]) for i in range(count)]
 
 
-def run(cluster, job) -> list[int] | grpc.StatusCode:
+def run(cluster, job, held: threading.Barrier | None = None) -> tuple[list[int] | grpc.StatusCode, str]:
+    """-> (tokens, or the status it failed with; the mode it finished in). With `held`, waits at
+    the barrier once the request has reached its hold (see run_held) and then reads on."""
     rid, prompt, n, mode, spec = job
     req = request(prompt, n, mode, **spec)
     req.request_id = rid
-    ids = []
+    ids, final_mode = [], ""
     try:
         for msg in cluster.gateway.Generate(req, timeout=120):
             ids += msg.token_ids
+            if held is not None and len(ids) >= HOLD_AT:
+                held.wait(timeout=120)
+                held = None
+            if msg.HasField("final"):
+                final_mode = msg.final.stats.mode
     except grpc.RpcError as exc:
-        return exc.code()
-    return ids
+        return exc.code(), final_mode
+    return ids, final_mode
+
+
+HOLD_AT = 2  # tokens: the prefill's, then at least one verify step (so drafters hold state too)
+
+
+def run_held(cluster, work, while_held=lambda: None) -> list[tuple[list[int] | grpc.StatusCode, str]]:
+    """Run all jobs concurrently; once every one of them is pinned, running and held after
+    HOLD_AT tokens, call `while_held`, then release them all. Deterministic at any step speed."""
+    for rid, *_ in work:
+        cluster.hold(rid, HOLD_AT)
+    barrier = threading.Barrier(len(work) + 1)
+    with ThreadPoolExecutor(len(work)) as pool:
+        futures = [pool.submit(run, cluster, j, barrier) for j in work]
+        barrier.wait(timeout=120)
+        while_held()
+        for rid, *_ in work:
+            cluster.release(rid)
+        return [f.result() for f in futures]
 
 
 @pytest.fixture
 def replicated(checkpoints, start_cluster):
     return start_cluster(checkpoints["llama-gqa"], checkpoints["llama-gqa/draft"], verifiers=2, drafters=2,
-                         gateway_extra=["--resolve-interval", "0.5"])
+                         gateway_extra=["--resolve-interval", "0.5"], hold=True)
+
+
+def pins(cluster) -> dict[str, tuple[str, str]]:
+    """request id -> (verifier, drafter) it was pinned to, from the gateway's log."""
+    log = (cluster.log_dir / "gateway.log").read_text()
+    return {rid: (v, d) for d, rid, v in re.findall(
+        r"request started.*?drafter=(\S+).*?request_id=(\S+).*?verifier=(\S+)", log)}
 
 
 def test_sixteen_requests_spread_over_both_replicas(replicated, checkpoints):
     target = checkpoints["llama-gqa"]
     work = jobs(16, 24)
-    with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(lambda j: run(replicated, j), work))
-    for (rid, prompt, n, mode, spec), ids in zip(work, results):
+    results = run_held(replicated, work)  # all 16 are running at once: least-loaded spreads them
+    for (rid, prompt, n, mode, spec), (ids, _) in zip(work, results):
         assert ids == hf_greedy(target, prompt, n), f"{rid} {mode} {spec}"
     for name in ("verifier", "verifier.1", "drafter", "drafter.1"):
         assert replicated.info(name).sequences_opened > 0, f"{name} carried no request"
@@ -55,24 +86,29 @@ def test_sixteen_requests_spread_over_both_replicas(replicated, checkpoints):
 def test_losing_one_replica_of_each(replicated, checkpoints):
     target = checkpoints["llama-gqa"]
     work = jobs(12, 200, seed=1)
-    with ThreadPoolExecutor(12) as pool:
-        futures = [pool.submit(run, replicated, j) for j in work]
-        time.sleep(1.0)  # all requests are pinned and running
+
+    def kill_one_of_each():
         replicated.kill("verifier.1")
         replicated.kill("drafter.1")
-        results = [f.result() for f in futures]
-    log = (replicated.log_dir / "gateway.log").read_text()
-    lost = replicated.addr["verifier.1"]
-    pinned = dict(re.findall(r"request started.*?request_id=(\S+).*?verifier=(\S+)", log))
-    for (rid, prompt, n, mode, spec), result in zip(work, results):
-        if pinned[rid] == lost:
-            assert result in (grpc.StatusCode.UNAVAILABLE, hf_greedy(target, prompt, n))
+
+    results = run_held(replicated, work, kill_one_of_each)
+    lost_v, lost_d = replicated.addr["verifier.1"], replicated.addr["drafter.1"]
+    pinned = pins(replicated)
+    drafter_died_under_survivor = 0
+    for (rid, prompt, n, mode, spec), (result, final_mode) in zip(work, results):
+        verifier, drafter = pinned[rid]
+        if verifier == lost_v:  # its KV state is gone: the request fails, mid-stream
+            assert result == grpc.StatusCode.UNAVAILABLE, f"{rid} {mode} {spec}"
         else:  # survivors: exact tokens, also where the drafter died under them
             assert result == hf_greedy(target, prompt, n), f"{rid} {mode} {spec}"
-    assert any(pinned[rid] == lost for rid, *_ in work) and any(pinned[rid] != lost for rid, *_ in work)
+            if drafter == lost_d and mode != "off":
+                assert final_mode == "off", f"{rid} kept speculating without its drafter"
+                drafter_died_under_survivor += 1
+    assert drafter_died_under_survivor > 0, pinned
+    assert {v for v, _ in pinned.values()} == {lost_v, replicated.addr["verifier"]}
     # New requests all go to the surviving replicas and complete.
     fresh = jobs(6, 16, seed=2)
     with ThreadPoolExecutor(6) as pool:
         again = list(pool.map(lambda j: run(replicated, j), fresh))
-    for (rid, prompt, n, *_), ids in zip(fresh, again):
+    for (rid, prompt, n, *_), (ids, _) in zip(fresh, again):
         assert ids == hf_greedy(target, prompt, n)
