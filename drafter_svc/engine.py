@@ -13,9 +13,6 @@ import torch
 
 from drafter_svc.tree_draft import expand_trees
 from drafter_svc.types import (
-    MAX_CHAIN_K,
-    MAX_TREE_DEPTH,
-    MAX_TREE_TOPK,
     ChainShape,
     Draft,
     DrafterStep,
@@ -24,6 +21,7 @@ from drafter_svc.types import (
     TreeShape,
 )
 from specdec.errors import ErrorCode, SequenceError
+from specdec.limits import MAX_CHAIN_K, MAX_DRAFTED_CHAIN, MAX_TREE_DEPTH, MAX_TREE_TOPK
 from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded
 from specdec.model.runner import ModelRunner
 from specdec.sampling import DRAFT, SamplingParams, processed_probs, sample_from, seed_tensor, uniforms
@@ -35,7 +33,7 @@ from specdec.tree import DraftTree, Proposal
 PROPOSAL_K = 16
 
 # KV room past the context: assumed tokens plus a pre-draft chain (k + 1), or a tree's fed nodes.
-DRAFT_SLACK = max(2 * MAX_CHAIN_K + 1, (MAX_TREE_DEPTH - 1) * MAX_TREE_TOPK) + 1
+DRAFT_SLACK = max(MAX_CHAIN_K + MAX_DRAFTED_CHAIN, (MAX_TREE_DEPTH - 1) * MAX_TREE_TOPK) + 1
 
 
 class DrafterEngine:

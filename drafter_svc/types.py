@@ -5,13 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdec.errors import SequenceError
+from specdec.limits import MAX_DRAFTED_CHAIN, MAX_TREE_BUDGET, MAX_TREE_DEPTH, MAX_TREE_TOPK
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.tree import DraftTree
-
-MAX_CHAIN_K = 16
-MAX_TREE_TOPK = 8
-MAX_TREE_DEPTH = 10
-MAX_TREE_BUDGET = 64
 
 
 @dataclass(frozen=True)
@@ -19,8 +15,8 @@ class ChainShape:
     k: int
 
     def problem(self) -> str | None:
-        if not 1 <= self.k <= MAX_CHAIN_K:
-            return f"chain k={self.k} is out of range; use 1..{MAX_CHAIN_K}"
+        if not 1 <= self.k <= MAX_DRAFTED_CHAIN:
+            return f"chain k={self.k} is out of range; use 1..{MAX_DRAFTED_CHAIN}"
         return None
 
 

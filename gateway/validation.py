@@ -5,9 +5,9 @@ from __future__ import annotations
 import secrets
 import uuid
 
-from drafter_svc.types import MAX_CHAIN_K, MAX_TREE_BUDGET, MAX_TREE_DEPTH, MAX_TREE_TOPK
 from gateway.request import GenerationRequest, InvalidRequest, Mode, SpecSettings
 from specdec.config import GatewayConfig
+from specdec.limits import MAX_CHAIN_K, MAX_TREE_BUDGET, MAX_TREE_DEPTH, MAX_TREE_TOPK
 from specdec.rpc import gateway_pb2
 from specdec.sampling import SamplingParams
 

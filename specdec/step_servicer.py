@@ -57,5 +57,6 @@ class StepStreamServicer:
         info.CopyFrom(self.info)
         info.active_sequences = len(self.engine.table)
         info.sequences_opened = self.engine.table.opened
+        info.prefill_tokens_computed = getattr(self.engine, "prefill_tokens_computed", 0)  # drafters keep none
         info.open_streams = self.open_streams
         return info

@@ -1,6 +1,7 @@
-"""Drafter engine: chains are the draft model's greedy continuation, tree nodes carry the true
-cumulative log-probabilities of their paths (so tree attention and positions are right), and
-KV reuse across steps gives the same drafts as drafting from scratch."""
+"""Drafter engine: chains are the draft model's greedy continuation, a tree is exactly the best
+`budget` candidates of the EAGLE-2 expansion by path log-probability (checked against HF paths,
+so tree attention and positions are right too), and KV reuse across steps gives the same drafts
+as drafting from scratch."""
 
 from __future__ import annotations
 
@@ -17,27 +18,75 @@ def engine(path) -> DrafterEngine:
     return DrafterEngine(ModelRunner(load_model(path, torch.float64, torch.device("cpu"))), max_sequences=4, max_context=128)
 
 
-def test_tree_nodes_score_their_paths(checkpoints):
+def hf_logp(hf, seq: list[int]) -> torch.Tensor:
+    """[len(seq), V] float64 next-token log-probabilities after each prefix of seq."""
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([seq])).logits[0], -1)
+
+
+def brute_force_candidates(hf, ctx: list[int], shape: TreeShape) -> dict[tuple[int, ...], float]:
+    """EAGLE-2 expansion with HF, one path at a time: each candidate's token path -> its
+    cumulative log-probability. Depth 1 is the root's top-k; each later depth takes the top-k
+    children of every frontier node and keeps the best k of them as the next frontier."""
+    cands: dict[tuple[int, ...], float] = {}
+    frontier: list[tuple[int, ...]] = [()]
+    for _ in range(shape.depth):
+        children = {}
+        for path in frontier:
+            top = hf_logp(hf, ctx + list(path))[-1].topk(shape.topk)
+            for lp, tok in zip(top.values.tolist(), top.indices.tolist()):
+                children[path + (tok,)] = cands.get(path, 0.0) + lp
+        cands.update(children)
+        frontier = sorted(children, key=children.get, reverse=True)[: shape.topk]
+    return cands
+
+
+def node_paths(tree) -> list[tuple[int, ...]]:
+    """Each node's token path from the root (root excluded), following the parent pointers."""
+    paths: list[tuple[int, ...]] = []
+    for tok, parent in zip(tree.token_ids, tree.parents):
+        paths.append((paths[parent - 1] if parent else ()) + (tok,))
+    return paths
+
+
+# One step drafts all four (a batched expansion per shape). In the last two a deeper candidate
+# outranks a shallower one at the budget's cut, so a selection by depth alone would fail them.
+TREE_CASES = [
+    ([1, 2, 3, 4], TreeShape(3, 3, 10)),
+    ([50, 60, 70, 80, 90, 100, 110], TreeShape(3, 3, 10)),
+    ([217, 22, 134, 263, 250, 209], TreeShape(4, 4, 19)),  # a depth-3 node in, a depth-2 node out
+    ([146, 73, 50, 318], TreeShape(4, 4, 36)),             # a depth-4 node in, a depth-3 node out
+]
+
+
+def test_tree_is_the_best_budget_of_the_expansion(checkpoints):
     path = checkpoints["llama-gqa"]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
     eng = engine(path)
-    contexts = [[1, 2, 3, 4], [50, 60, 70, 80, 90, 100, 110]]
-    res = eng.step(DrafterStep(1, [DraftItem(f"s{i}", len(c), c, [], TreeShape(3, 3, 10)) for i, c in enumerate(contexts)]))
+    items = [DraftItem(f"s{i}", len(ctx), ctx, [], shape) for i, (ctx, shape) in enumerate(TREE_CASES)]
+    res = eng.step(DrafterStep(1, items))
     assert not res.errors
-    for ctx, draft in zip(contexts, res.drafts):
+    not_by_depth = 0
+    for (ctx, shape), draft in zip(TREE_CASES, res.drafts):
         tree = draft.tree
-        assert len(tree) == 10 and all(0 <= p < i for i, p in enumerate(tree.parents, start=1))
-        for node in range(1, len(tree) + 1):  # rebuild the path root -> node and score it with HF
-            chain = []
-            i = node
-            while i:
-                chain.append(tree.token_ids[i - 1])
-                i = tree.parents[i - 1]
-            seq = ctx + chain[::-1]
-            with torch.no_grad():
-                logp = torch.log_softmax(hf(torch.tensor([seq])).logits[0], -1)
-            expected = logp[len(ctx) - 1, chain[-1]] if len(chain) == 1 else logp[len(seq) - 2, seq[-1]]
-            assert abs(tree.logprobs[node - 1] - float(expected)) < 1e-6
+        assert len(tree) == shape.budget and all(0 <= p < i for i, p in enumerate(tree.parents, start=1))
+        paths = node_paths(tree)
+        cumulative = {}
+        for node, toks in enumerate(paths):
+            # logprobs are per node; their sum along the path is the path's log-probability
+            logp = hf_logp(hf, ctx + list(toks))
+            per_token = [float(logp[len(ctx) - 1 + j, t]) for j, t in enumerate(toks)]
+            assert abs(tree.logprobs[node] - per_token[-1]) < 1e-6
+            cumulative[toks] = cumulative.get(toks[:-1], 0.0) + tree.logprobs[node]
+            assert abs(cumulative[toks] - sum(per_token)) < 1e-6
+        cands = brute_force_candidates(hf, ctx, shape)
+        ranked = sorted(cands, key=cands.get, reverse=True)
+        chosen, left = ranked[: shape.budget], ranked[shape.budget :]
+        assert cands[chosen[-1]] - cands[left[0]] > 1e-6  # no tie at the cut
+        # A child whose parent was left out would hang off the root here and match no candidate.
+        assert set(paths) == set(chosen)
+        not_by_depth += any(len(a) > len(b) for a in chosen for b in left)
+    assert not_by_depth == 2
 
 
 def test_chain_is_greedy_and_kv_reuse_is_exact(checkpoints):

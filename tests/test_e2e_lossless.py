@@ -17,13 +17,27 @@ MODES = [
     ("tree", {"topk": 2, "depth": 3, "budget": 7}),
     ("tree", {"topk": 4, "depth": 4, "budget": 16}),
 ]
+# Draft shapes past the defaults, up to the limits (specdec/limits.py: MAX_CHAIN_K 16,
+# MAX_TREE_TOPK 8, MAX_TREE_DEPTH 10, MAX_TREE_BUDGET 64 = the verifier's --max-draft-tokens),
+# run on one model shape only to keep the suite short.
+LARGE_MODES = [
+    ("chain", {"k": 8}),
+    ("chain", {"k": 16}),                              # its overlap pre-draft is k + 1 = 17 tokens
+    ("chain", {"k": 8, "overlap": False}),
+    ("chain", {"k": 16, "overlap": False}),
+    ("tree", {"topk": 2, "depth": 6, "budget": 22}),   # every candidate kept: depth-6 nodes verified
+    ("tree", {"topk": 1, "depth": 10, "budget": 10}),
+    ("tree", {"topk": 8, "depth": 4, "budget": 32}),
+    ("tree", {"topk": 8, "depth": 10, "budget": 64}),
+]
+LARGE_SHAPE = "llama-gqa"
 
 
-def check_every_mode(cluster, target) -> None:
+def check_every_mode(cluster, target, modes) -> None:
     """Every prompt in every mode equals HF generate, with consistent stats."""
     for prompt in PROMPTS:
         expected = hf_greedy(target, prompt, NEW_TOKENS)
-        for mode, spec in MODES:
+        for mode, spec in modes:
             ids, final = cluster.generate(prompt, NEW_TOKENS, mode, **spec)
             assert ids == expected, f"{target.name} {mode} {spec} prompt={prompt}"
             assert final.stats.mode == mode
@@ -35,20 +49,39 @@ def check_every_mode(cluster, target) -> None:
 
 @pytest.mark.parametrize("shape", ["llama-gqa", "llama-tied", "qwen2-bias", "mistral"])
 def test_every_mode_matches_hf_generate(shape, checkpoints, start_cluster):
-    check_every_mode(start_cluster(checkpoints[shape], checkpoints[f"{shape}/draft"]), checkpoints[shape])
+    modes = MODES + LARGE_MODES if shape == LARGE_SHAPE else MODES
+    check_every_mode(start_cluster(checkpoints[shape], checkpoints[f"{shape}/draft"]), checkpoints[shape], modes)
 
 
-def test_draft_equal_to_target_accepts_everything(checkpoints, start_cluster):
-    """Self-drafting: every chain is fully accepted and every pre-draft is an overlap hit."""
-    target = checkpoints["llama-gqa"]
-    cluster = start_cluster(target, target)
-    expected = hf_greedy(target, PROMPTS[0], 25)
-    ids, final = cluster.generate(PROMPTS[0], 25, "chain", k=4)
-    assert ids == expected
-    # 1 token from the prefill, then 5 steps of 4 drafts + 1 bonus token each.
-    assert final.stats.steps == 5 and final.stats.mean_accepted_length == 5.0
-    assert final.stats.accepted == final.stats.drafted == 20
-    assert final.stats.overlap_misses == 0 and final.stats.overlap_hits == 5
+@pytest.fixture(scope="module")
+def self_drafted(checkpoints, start_cluster):
+    """The target as its own drafter: every draft token is the target's greedy choice."""
+    return start_cluster(checkpoints["llama-gqa"], checkpoints["llama-gqa"])
+
+
+@pytest.mark.parametrize("mode, spec, steps", [
+    pytest.param("chain", {"k": 4}, 5, id="chain-k4"),
+    pytest.param("chain", {"k": 15}, 2, id="chain-k15"),
+    pytest.param("chain", {"k": 16, "overlap": False}, 2, id="chain-k16-no-overlap"),
+    pytest.param("chain", {"k": 16}, 2, id="chain-k16"),  # the pre-draft asks for k + 1 = 17 tokens
+    pytest.param("tree", {"topk": 1, "depth": 10, "budget": 10}, 2, id="tree-depth10"),
+    # For this prompt the target's greedy path stays in the top-2 frontier at every depth, so each
+    # step accepts six nodes spread over the tree (KV compaction over six levels).
+    pytest.param("tree", {"topk": 2, "depth": 6, "budget": 22}, 3, id="tree-depth6-budget22"),
+])
+def test_draft_equal_to_target_accepts_full_paths(self_drafted, checkpoints, mode, spec, steps):
+    """Self-drafting: every step accepts a longest path (k or depth nodes) plus the bonus token,
+    and every chain pre-draft is an overlap hit."""
+    longest = spec.get("k") or spec["depth"]
+    drafted = spec.get("k") or spec["budget"]  # these trees keep all their candidates
+    new_tokens = 1 + steps * (longest + 1)     # 1 token from the prefill, then full steps
+    ids, final = self_drafted.generate(PROMPTS[0], new_tokens, mode, **spec)
+    assert ids == hf_greedy(checkpoints["llama-gqa"], PROMPTS[0], new_tokens)
+    s = final.stats
+    assert s.mode == mode and s.steps == steps and s.mean_accepted_length == longest + 1
+    assert s.accepted == steps * longest and s.drafted == steps * drafted
+    overlap = mode == "chain" and spec.get("overlap", True)
+    assert s.overlap_hits == (steps if overlap else 0) and s.overlap_misses == 0
 
 
 def test_concurrent_requests_equal_their_solo_runs(checkpoints, start_cluster):

@@ -33,7 +33,9 @@ def test_same_seed_same_output(cluster, mode, spec):
 
 
 def test_n_samples_share_a_prefill_and_differ(cluster):
-    req = request([9, 8, 7], 16, "chain")
+    prompt = [9, 8, 7]
+    before = cluster.info("verifier")
+    req = request(prompt, 16, "chain")
     req.sampling.CopyFrom(gateway_pb2.Sampling(temperature=1.0, n=4, seed=7))
     outputs: dict[int, list[int]] = {}
     finals = {}
@@ -44,12 +46,16 @@ def test_n_samples_share_a_prefill_and_differ(cluster):
     assert sorted(finals) == [0, 1, 2, 3] and all(len(o) == 16 for o in outputs.values())
     assert len({tuple(o) for o in outputs.values()}) > 1
     assert len({f.seed for f in finals.values()}) == 4
-    before = cluster.info("verifier").sequences_opened
-    assert before >= 4
+    after = cluster.info("verifier")
+    assert after.sequences_opened - before.sequences_opened == 4
+    # One prefill for the four samples: the prompt went through the model once.
+    assert after.prefill_tokens_computed - before.prefill_tokens_computed == len(prompt)
 
 
 @pytest.mark.parametrize("sampling, hint", [
     ({"temperature": -1.0}, "temperature"), ({"temperature": 1.0, "top_p": 1.5}, "top_p"),
+    ({"temperature": float("inf")}, "temperature=inf"), ({"temperature": float("nan")}, "temperature=nan"),
+    ({"temperature": 1.0, "top_p": float("nan")}, "top_p=nan"),
     ({"temperature": 1.0, "n": 99}, "n=99"),
 ])
 def test_bad_sampling_settings_are_invalid_argument(cluster, sampling, hint):

@@ -37,12 +37,14 @@ def test_shared_prefill_runs_once_and_changes_nothing(checkpoints):
     prompt = list(range(10, 30))
     params = [SamplingParams(1.0, seed=s) for s in (11, 12, 13)]
     shared_runner = CountingRunner(load_model(path, torch.float64, torch.device("cpu")))
-    shared = run(VerifierEngine(shared_runner, 4, 128, 8), [
+    shared_engine = VerifierEngine(shared_runner, 4, 128, 8)
+    shared = run(shared_engine, [
         OpenSequence("a", prompt, params[0]),
         OpenSequence("b", prompt, params[1], share_prefill_with="a"),
         OpenSequence("c", prompt, params[2], share_prefill_with="a"),
     ], steps=6)
     assert shared_runner.batch_rows[0] == 1  # one prefill row for three sequences
+    assert shared_engine.prefill_tokens_computed == len(prompt)
     alone = {}
     for sid, p in zip("abc", params):
         engine = VerifierEngine(ModelRunner(load_model(path, torch.float64, torch.device("cpu"))), 1, 128, 8)

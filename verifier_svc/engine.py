@@ -29,6 +29,7 @@ class VerifierEngine:
         self.max_draft_tokens = max_draft_tokens
         runner.allocate_kv(max_sequences, self.max_context + max_draft_tokens + 1)
         self.table = SequenceTable(max_sequences, spec.vocab_size, self.max_context)
+        self.prefill_tokens_computed = 0  # prompt tokens fed by prefills since start (host count, no sync)
 
     def close(self, seq_ids: list[str]) -> None:
         self.table.close_all(seq_ids)
@@ -84,6 +85,7 @@ class VerifierEngine:
             lead = by_id.get(share)
             leader_of[s.seq_id] = lead if lead is not None and lead.tokens == s.tokens and lead is not s else s
         leaders = [s for s, _ in opened if leader_of[s.seq_id] is s]
+        self.prefill_tokens_computed += sum(len(s.tokens) for s in leaders)
         tokens, lengths = ragged_to_padded([s.tokens for s in leaders], 0, self.device)
         n = tokens.shape[1]
         positions = torch.arange(n, device=self.device).expand_as(tokens)
