@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from model_factory import hf_greedy
-from test_e2e_lossless import MODES, check_every_mode
+from test_e2e_lossless import LARGE_MODES, MODES, check_every_mode
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -19,7 +19,7 @@ def test_cuda_every_mode_matches_hf_generate(shape, checkpoints, start_cluster):
     # fp32 without TF32: the same arithmetic class as the CPU reference, so argmax agrees.
     cluster = start_cluster(target, checkpoints[f"{shape}/draft"], device="cuda", dtype="float32")
     assert cluster.info("verifier").device == "cuda"
-    check_every_mode(cluster, target)
+    check_every_mode(cluster, target, MODES + LARGE_MODES)
 
 
 def test_cuda_concurrent_batch(checkpoints, start_cluster):

@@ -4,30 +4,29 @@ On a 6-token vocabulary, N sequences (each its own seed) sample their first thre
 through the drafter and verifier engines; the empirical joint distribution of those tokens is
 compared with the target-only distribution computed exactly by enumeration (HF, float64).
 
-Test statistic: Pearson's chi-square over the 216 outcomes, cells with expectation < 5 merged
-into one. Under the null it has mean dof and standard deviation sqrt(2 dof); we reject above
-dof + 6 sqrt(2 dof) (a false-alarm probability below 1e-6 by the normal tail, and the seeds are
-fixed, so the test is deterministic). With N = 6000 a rule that accepts every draft (the
-deliberately broken one below) lands far above that bound.
+Test statistic (tests/distribution.py): Pearson's chi-square over the 216 outcomes, cells with
+expectation < 5 merged into one. Under the null it has mean dof and standard deviation
+sqrt(2 dof); we reject above dof + 6 sqrt(2 dof) (a false-alarm probability below 1e-6 by the
+normal tail, and the seeds are fixed, so the test is deterministic). With N = 6000 a rule that
+accepts every draft (the deliberately broken one below) lands far above that bound.
+(tests/test_e2e_sampling_distribution.py runs the same check through the real services.)
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections import Counter
 
 import pytest
 import torch
+from distribution import bound, chi_square, exact_distribution
 from model_factory import make_tiny_vocab_checkpoint
-from transformers import AutoModelForCausalLM
 
 import verifier_svc.engine as verifier_engine
 from drafter_svc.engine import DrafterEngine
 from drafter_svc.types import ChainShape, DraftItem, DrafterStep, TreeShape
 from specdec.model.loader import load_model
 from specdec.model.runner import ModelRunner
-from specdec.sampling import SamplingParams, processed_probs
+from specdec.sampling import SamplingParams
 from verifier_svc.engine import VerifierEngine
 from verifier_svc.types import OpenSequence, VerifierStep, VerifyItem
 
@@ -41,18 +40,6 @@ SAMPLING = SamplingParams(temperature=1.0, top_p=0.95)
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-vocab")
     return make_tiny_vocab_checkpoint(root / "target", seed=1), make_tiny_vocab_checkpoint(root / "draft", seed=2)
-
-
-def exact_distribution(target) -> dict[tuple[int, ...], float]:
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64)
-    vocab = model.config.vocab_size
-    outcomes = list(itertools.product(range(vocab), repeat=TOKENS))
-    seqs = torch.tensor([PROMPT + list(o) for o in outcomes])
-    with torch.no_grad():
-        logits = model(seqs).logits[:, len(PROMPT) - 1 : -1]             # [O, TOKENS, V]
-    probs = processed_probs(logits, [SAMPLING] * len(outcomes))
-    picked = probs.gather(-1, seqs[:, len(PROMPT):, None])[..., 0]
-    return dict(zip(outcomes, picked.prod(-1).tolist()))
 
 
 def sample_through_engines(target, draft, shape, device: str = "cpu") -> Counter:
@@ -83,21 +70,8 @@ def sample_through_engines(target, draft, shape, device: str = "cpu") -> Counter
     return Counter(tuple(o[:TOKENS]) for o in out.values())
 
 
-def chi_square(counts: Counter, exact: dict) -> tuple[float, int]:
-    cells, rest_obs, rest_exp = [], 0, 0.0
-    for outcome, p in exact.items():
-        e = p * N
-        if e < 5:
-            rest_obs, rest_exp = rest_obs + counts.get(outcome, 0), rest_exp + e
-        else:
-            cells.append((counts.get(outcome, 0), e))
-    if rest_exp > 0:
-        cells.append((rest_obs, rest_exp))
-    return sum((o - e) ** 2 / e for o, e in cells), len(cells) - 1
-
-
-def bound(dof: int) -> float:
-    return dof + 6 * math.sqrt(2 * dof)
+def exact(target) -> dict[tuple[int, ...], float]:
+    return exact_distribution(target, PROMPT, SAMPLING, TOKENS)
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
@@ -107,7 +81,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 @pytest.mark.parametrize("shape", [ChainShape(2), TreeShape(topk=2, depth=2, budget=4)], ids=["chain", "tree"])
 def test_speculative_sampling_matches_the_target_distribution(pair, shape, device):
     target, draft = pair
-    stat, dof = chi_square(sample_through_engines(target, draft, shape, device), exact_distribution(target))
+    stat, dof = chi_square(sample_through_engines(target, draft, shape, device), exact(target))
     assert stat < bound(dof), f"chi2={stat:.1f} with {dof} dof"
 
 
@@ -120,5 +94,5 @@ def test_a_broken_rule_fails_the_same_test(pair, monkeypatch):
 
     monkeypatch.setattr(verifier_engine, "spec_sample", accept_everything)
     target, draft = pair
-    stat, dof = chi_square(sample_through_engines(target, draft, ChainShape(2)), exact_distribution(target))
+    stat, dof = chi_square(sample_through_engines(target, draft, ChainShape(2)), exact(target))
     assert stat > bound(dof), f"the broken rule passed: chi2={stat:.1f} with {dof} dof"
