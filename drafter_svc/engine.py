@@ -22,7 +22,7 @@ from drafter_svc.types import (
 )
 from specdec.errors import ErrorCode, SequenceError
 from specdec.limits import MAX_CHAIN_K, MAX_DRAFTED_CHAIN, MAX_TREE_DEPTH, MAX_TREE_TOPK
-from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded
+from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded, upload, upload_list
 from specdec.model.runner import ModelRunner
 from specdec.sampling import DRAFT, SamplingParams, processed_probs, sample_from, seed_tensor, uniforms
 from specdec.sequence_table import SequenceState, SequenceTable
@@ -120,10 +120,11 @@ class DrafterEngine:
             s.kv_tokens = list(ctx)  # after this feed the KV holds exactly the context
         feeds = [ctx[c:] for ctx, c in zip(contexts, starts)]
         tokens, lengths = ragged_to_padded(feeds, 0, self.device)
-        start = torch.tensor(starts, device=self.device)
-        pos = start[:, None] + torch.arange(tokens.shape[1], device=self.device)
+        n = tokens.shape[1]
+        start = upload_list(starts, self.device)
+        pos = start[:, None] + torch.arange(n, device=self.device)
         slots = self.table.slots(states, self.device)
-        batch = ForwardBatch.build(tokens, pos, slots, pos, start, causal_region(lengths, tokens.shape[1]))
+        batch = ForwardBatch.build(tokens, pos, slots, pos, start, causal_region(lengths, n), kv_len=max(starts) + n)
         return self.runner.forward(batch, logit_index=(lengths - 1)[:, None])[:, 0]
 
     def _draft_chains(self, states: list[SequenceState], ks: list[int], params: list[SamplingParams],
@@ -132,10 +133,11 @@ class DrafterEngine:
         sampled from each row's top-PROPOSAL_K draft distribution (returned as proposals)."""
         steps = max(ks)
         slots = self.table.slots(states, self.device)
-        pos = torch.tensor([len(s.kv_tokens) for s in states], device=self.device)  # next write position
+        written = [len(s.kv_tokens) for s in states]
+        pos = upload_list(written, self.device)  # next write position
         sampling = not all(p.greedy for p in params)
         seeds = seed_tensor(params, self.device) if sampling else None
-        greedy_rows = torch.tensor([p.greedy for p in params], device=self.device)
+        greedy_rows = upload(torch.tensor([p.greedy for p in params]), self.device)
         toks, logps, props = [], [], []
         for t in range(steps):
             logp = torch.log_softmax(logits, dim=-1)
@@ -154,7 +156,8 @@ class DrafterEngine:
                 break
             p = (pos + t)[:, None]
             batch = ForwardBatch.build(best[:, None], p, slots, p, pos + t,
-                                       torch.ones(len(states), 1, 1, dtype=torch.bool, device=self.device))
+                                       torch.ones(len(states), 1, 1, dtype=torch.bool, device=self.device),
+                                       kv_len=max(written) + t + 1)
             logits = self.runner.forward(batch)[:, 0]
         tok_rows = torch.stack(toks, 1).tolist()
         lp_rows = torch.stack(logps, 1).tolist()

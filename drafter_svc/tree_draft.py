@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from drafter_svc.types import TreeShape
-from specdec.model.batch import ForwardBatch
+from specdec.model.batch import ForwardBatch, upload_list
 from specdec.model.runner import ModelRunner
 from specdec.sequence_table import SequenceState
 from specdec.tree import DraftTree
@@ -26,8 +26,9 @@ def expand_trees(
 ) -> list[DraftTree]:
     device = root_logits.device
     b, k = root_logits.shape[0], shape.topk
-    ctx_len = torch.tensor([len(s.kv_tokens) for s in states], device=device)  # [B]
-    slots = torch.tensor([s.slot for s in states], device=device)
+    kv_lens = [len(s.kv_tokens) for s in states]
+    ctx_len = upload_list(kv_lens, device)                      # [B]
+    slots = upload_list([s.slot for s in states], device)
 
     scores, tokens = torch.log_softmax(root_logits, -1).topk(k, dim=-1)  # [B, k]
     cand_tokens, cand_scores = [tokens], [scores]
@@ -57,7 +58,8 @@ def expand_trees(
         positions = (ctx_len - 1 + depth)[:, None].expand(b, k)
         write_pos = ctx_len[:, None] + n_fed + torch.arange(k, device=device)
         region = fed_ancestors[:, -k:, :]  # the frontier's rows: [B, k, n_fed + k]
-        batch = ForwardBatch.build(front_tokens, positions, slots, write_pos, ctx_len, region)
+        batch = ForwardBatch.build(front_tokens, positions, slots, write_pos, ctx_len, region,
+                                   kv_len=max(kv_lens) + n_fed + k)
         logp = torch.log_softmax(runner.forward(batch), -1)                      # [B, k, V]
         child_logp, child_tok = logp.topk(k, dim=-1)                           # [B, k, k]
         child_scores = front_scores[:, :, None] + child_logp

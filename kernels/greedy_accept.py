@@ -27,11 +27,14 @@ class GreedyVerdict:
     bonus: torch.Tensor       # [B] the target's token after the accepted path
 
 
-def greedy_accept(tokens, parents, depth, ancestors, num_nodes, target_argmax) -> GreedyVerdict:
-    """tokens, parents, depth, target_argmax: [B, n]; ancestors [B, n, n] bool; num_nodes [B]."""
+def greedy_accept(tokens, parents, depth, ancestors, num_nodes, target_argmax, max_depth=None) -> GreedyVerdict:
+    """tokens, parents, depth, target_argmax: [B, n]; ancestors [B, n, n] bool; num_nodes [B].
+
+    max_depth: the deepest node, if the caller knows it on the host (else read from the device).
+    """
     if use_triton(tokens):
-        return greedy_accept_triton(tokens, parents, depth, ancestors, num_nodes, target_argmax)
-    return greedy_accept_reference(tokens, parents, depth, num_nodes, target_argmax)
+        return greedy_accept_triton(tokens, parents, depth, ancestors, num_nodes, target_argmax, max_depth)
+    return greedy_accept_reference(tokens, parents, depth, num_nodes, target_argmax, max_depth)
 
 
 def greedy_accept_reference(
@@ -40,6 +43,7 @@ def greedy_accept_reference(
     depth: torch.Tensor,          # [B, n]
     num_nodes: torch.Tensor,      # [B]
     target_argmax: torch.Tensor,  # [B, n] the target's greedy token after each node
+    max_depth: int | None = None,
 ) -> GreedyVerdict:
     b, n = tokens.shape
     node = torch.arange(n, device=tokens.device)
@@ -49,7 +53,8 @@ def greedy_accept_reference(
     correct = has_parent & real & (tokens == torch.gather(target_argmax, 1, parent_idx))
     is_root = node[None, :] == 0
     ok = is_root.expand(b, n) | correct
-    max_depth = int(depth.max())
+    if max_depth is None:
+        max_depth = int(depth.max())
     for _ in range(max_depth):  # propagate "whole ancestry correct" one level per iteration
         ok = (is_root | (correct & torch.gather(ok, 1, parent_idx))).expand(b, n)
     score = torch.where(ok, depth * n + (n - 1 - node), torch.full_like(depth, -1))
@@ -94,9 +99,10 @@ if HAVE_TRITON:
         on_path = tl.load(ancestors + b * n * n + leaf * n + idx, mask=valid, other=0) != 0
         tl.store(path + b * path_width + dep, idx.to(tl.int64), mask=on_path & valid)
 
-    def greedy_accept_triton(tokens, parents, depth, ancestors, num_nodes, target_argmax) -> GreedyVerdict:
+    def greedy_accept_triton(tokens, parents, depth, ancestors, num_nodes, target_argmax,
+                             max_depth=None) -> GreedyVerdict:
         b, n = tokens.shape
-        width = int(depth.max()) + 1
+        width = (int(depth.max()) if max_depth is None else max_depth) + 1
         path = torch.full((b, width), -1, dtype=torch.long, device=tokens.device)
         accept_len = torch.empty(b, dtype=torch.long, device=tokens.device)
         bonus = torch.empty(b, dtype=torch.long, device=tokens.device)

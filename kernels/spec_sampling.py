@@ -38,10 +38,12 @@ def child_table(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return children[:, :n], rank
 
 
-def spec_sample(probs, tokens, parents, depth, q_ids, q_probs, sampled, u_accept, u_bonus) -> GreedyVerdict:
-    if use_triton(probs):
-        return spec_sample_triton(probs, tokens, parents, depth, q_ids, q_probs, sampled, u_accept, u_bonus)
-    return spec_sample_reference(probs, tokens, parents, depth, q_ids, q_probs, sampled, u_accept, u_bonus)
+def spec_sample(probs, tokens, parents, depth, q_ids, q_probs, sampled, u_accept, u_bonus,
+                max_depth=None, max_children=None) -> GreedyVerdict:
+    """max_depth, max_children: the trees' bounds, if the caller knows them on the host (else read
+    from the device)."""
+    args = (probs, tokens, parents, depth, q_ids, q_probs, sampled, u_accept, u_bonus, max_depth, max_children)
+    return spec_sample_triton(*args) if use_triton(probs) else spec_sample_reference(*args)
 
 
 def spec_sample_reference(
@@ -54,16 +56,21 @@ def spec_sample_reference(
     sampled: torch.Tensor,    # [B, n] bool: node drawn from q (else a point mass)
     u_accept: torch.Tensor,   # [B, n] uniform per node: its accept test
     u_bonus: torch.Tensor,    # [B, n] uniform per node: the bonus draw if the walk stops there
+    max_depth: int | None = None,
+    max_children: int | None = None,
 ) -> GreedyVerdict:
     b, n, v = probs.shape
     rows = torch.arange(b, device=probs.device)
     children, _ = child_table(parents)
-    max_children = int((children >= 0).sum(-1).max()) if n > 1 else 0
+    if max_children is None:
+        max_children = int((children >= 0).sum(-1).max()) if n > 1 else 0
+    if max_depth is None:
+        max_depth = int(depth.max())
     cur = torch.zeros(b, dtype=torch.long, device=probs.device)
     res = probs[:, 0].double().clone()
     walking = torch.ones(b, dtype=torch.bool, device=probs.device)
     steps = [cur]
-    for _ in range(int(depth.max())):
+    for _ in range(max_depth):
         taken = torch.full_like(cur, -1)
         for j in range(max_children):
             child = children[rows, cur, j]                                         # [B]
@@ -176,12 +183,15 @@ if HAVE_TRITON:
         tl.store(accept_len + b, depth.to(tl.int64))
         tl.store(bonus + b, found.to(tl.int64))
 
-    def spec_sample_triton(probs, tokens, parents, depth, q_ids, q_probs, sampled, u_accept, u_bonus) -> GreedyVerdict:
+    def spec_sample_triton(probs, tokens, parents, depth, q_ids, q_probs, sampled, u_accept, u_bonus,
+                           max_depth=None, max_children=None) -> GreedyVerdict:
         b, n, v = probs.shape
         children, _ = child_table(parents)
-        c = max(1, int((children >= 0).sum(-1).max()))
+        if max_children is None:
+            max_children = int((children >= 0).sum(-1).max())
+        c = max(1, max_children)
         children = children[:, :, :c].to(torch.int32).contiguous()  # int32: loop-carried node ids
-        width = int(depth.max()) + 1
+        width = (int(depth.max()) if max_depth is None else max_depth) + 1
         k = q_ids.shape[-1]
         path = torch.full((b, width), -1, dtype=torch.long, device=probs.device)
         accept_len = torch.empty(b, dtype=torch.long, device=probs.device)

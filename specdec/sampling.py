@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.model.batch import upload, upload_list
+
 # Purposes ("salts") of a draw at one position.
 DRAFT = 1       # the drafter samples a chain token
 RESIDUAL = 2    # the verifier samples the bonus / corrected token (also plain decoding)
@@ -48,16 +50,16 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     """logits [B, n, V] -> probabilities [B, n, V] (fp32+) under each row's sampling parameters."""
     b, _, v = logits.shape
     dev = logits.device
-    greedy = torch.tensor([p.greedy for p in params], device=dev)
-    temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev, dtype=logits.dtype)
+    greedy = upload(torch.tensor([p.greedy for p in params]), dev)
+    temp = upload(torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=logits.dtype), dev)
     x = logits / temp[:, None, None]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < v else v for p in params], device=dev)
-    if bool((top_k < v).any()):
+    if any(0 < p.top_k < v for p in params):  # decided on the host: no device read
+        top_k = upload_list([p.top_k if 0 < p.top_k < v else v for p in params], dev)
         kth = torch.sort(x, dim=-1, descending=True).values.gather(-1, (top_k - 1)[:, None, None].expand(b, x.shape[1], 1))
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    top_p = torch.tensor([p.top_p if 0 < p.top_p < 1 else 1.0 for p in params], device=dev, dtype=probs.dtype)
-    if bool((top_p < 1).any()):
+    if any(0 < p.top_p < 1 for p in params):
+        top_p = upload(torch.tensor([p.top_p if 0 < p.top_p < 1 else 1.0 for p in params], dtype=probs.dtype), dev)
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p           # mass strictly above each token
         keep_sorted = before < top_p[:, None, None]       # always keeps the most likely token
@@ -94,5 +96,4 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def seed_tensor(params: list[SamplingParams], device: torch.device) -> torch.Tensor:
     """uint64 seeds as int64 bit patterns [B]."""
-    return torch.tensor([p.seed - (1 << 64) if p.seed >= (1 << 63) else p.seed for p in params],
-                        dtype=torch.long, device=device)
+    return upload_list([p.seed - (1 << 64) if p.seed >= (1 << 63) else p.seed for p in params], device)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.errors import ErrorCode, SequenceError
+from specdec.model.batch import upload_list
 from specdec.sampling import GREEDY, SamplingParams
 
 
@@ -59,7 +60,7 @@ class SequenceTable:
     @staticmethod
     def slots(states: list[SequenceState], device: torch.device) -> torch.Tensor:
         """[B] int64 KV slots of the given sequences."""
-        return torch.tensor([s.slot for s in states], dtype=torch.long, device=device)
+        return upload_list([s.slot for s in states], device)
 
     def close(self, seq_id: str) -> bool:
         state = self._seqs.pop(seq_id, None)

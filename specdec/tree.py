@@ -7,10 +7,13 @@ A tree has a root (node 0, the sequence's last committed token, not listed) and 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 from torch.nn import functional as F
+
+from specdec.model.batch import upload, upload_list
 
 
 @dataclass
@@ -39,6 +42,17 @@ class DraftTree:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    def shape(self) -> tuple[int, int]:
+        """(depth of the deepest node, most children of one node); a chain is (k, 1) at once."""
+        if not self.parents:
+            return 0, 0
+        if self.parents == list(range(len(self.parents))):
+            return len(self.parents), 1
+        depth = [0]
+        for p in self.parents:  # parents precede their children
+            depth.append(depth[p] + 1)
+        return max(depth), max(Counter(self.parents).values())
 
     def problem(self, vocab_size: int, max_nodes: int) -> str | None:
         """Why this tree is malformed, or None."""
@@ -69,34 +83,32 @@ class PackedTrees:
     num_nodes: torch.Tensor  # [B] real nodes including the root
     ancestors: torch.Tensor  # [B, n, n] bool: j is i or an ancestor of i (padding: self only)
     depth: torch.Tensor      # [B, n] root = 0
+    max_depth: int           # the deepest node of the batch, known on the host (no device read)
+    max_children: int        # the most children of one node in the batch, likewise
 
 
 def pack_trees(roots: list[int], trees: list[DraftTree], device: torch.device) -> PackedTrees:
     n = 1 + max((len(t) for t in trees), default=0)
-    b = len(trees)
-    tokens = torch.zeros(b, n, dtype=torch.long)
-    parents = torch.full((b, n), -1, dtype=torch.long)
-    tokens[:, 0] = torch.tensor(roots, dtype=torch.long)
-    for i, t in enumerate(trees):  # host-side packing of the message, one copy per sequence
-        if len(t):
-            tokens[i, 1 : 1 + len(t)] = torch.tensor(t.token_ids, dtype=torch.long)
-            parents[i, 1 : 1 + len(t)] = torch.tensor(t.parents, dtype=torch.long)
-    num_nodes = torch.tensor([1 + len(t) for t in trees], dtype=torch.long)
-    tokens, parents, num_nodes = tokens.to(device), parents.to(device), num_nodes.to(device)
-    ancestors, depth = tree_structure(parents)
-    return PackedTrees(tokens, parents, num_nodes, ancestors, depth)
+    tokens = [[root, *t.token_ids] + [0] * (n - 1 - len(t)) for root, t in zip(roots, trees)]
+    parents = [[-1, *t.parents] + [-1] * (n - 1 - len(t)) for t in trees]
+    shapes = [t.shape() for t in trees]
+    tokens, parents = (upload(torch.tensor(x, dtype=torch.long), device) for x in (tokens, parents))
+    num_nodes = upload_list([1 + len(t) for t in trees], device)
+    max_depth = max((d for d, _ in shapes), default=0)
+    ancestors, depth = tree_structure(parents, max_depth)
+    return PackedTrees(tokens, parents, num_nodes, ancestors, depth, max_depth,
+                       max((c for _, c in shapes), default=0))
 
 
-def tree_structure(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """parents [B, n] (-1 = no parent) -> (ancestor-or-self mask [B, n, n], depth [B, n])."""
+def tree_structure(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """parents [B, n] (-1 = no parent), the deepest node's depth -> (ancestor-or-self mask [B, n, n],
+    depth [B, n])."""
     b, n = parents.shape
     ancestors = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n).clone()
     depth = torch.zeros_like(parents)
     cur = parents
-    for _ in range(n - 1):  # one hop up the tree per iteration, all nodes at once
+    for _ in range(max_depth):  # one hop up the tree per iteration, all nodes at once
         has_parent = cur >= 0
-        if not bool(has_parent.any()):
-            break
         ancestors |= F.one_hot(cur.clamp(min=0), n).bool() & has_parent[:, :, None]
         depth += has_parent.long()
         cur = torch.where(has_parent, torch.gather(parents, 1, cur.clamp(min=0)), cur)
@@ -105,14 +117,12 @@ def tree_structure(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def pack_proposals(trees: list[DraftTree], n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (q_ids [B, n, K], q_probs [B, n, K], sampled [B, n]) aligned with pack_trees' nodes."""
-    k = max((len(p.token_ids) for t in trees for p in t.proposals), default=0)
-    b = len(trees)
-    q_ids = torch.zeros(b, n, max(k, 1), dtype=torch.long)
-    q_probs = torch.zeros(b, n, max(k, 1), dtype=torch.float64)
-    sampled = torch.zeros(b, n, dtype=torch.bool)
-    for i, t in enumerate(trees):  # host-side packing of the message
-        for j, prop in enumerate(t.proposals, start=1):
-            q_ids[i, j, : len(prop.token_ids)] = torch.tensor(prop.token_ids, dtype=torch.long)
-            q_probs[i, j, : len(prop.probs)] = torch.tensor(prop.probs, dtype=torch.float64)
-            sampled[i, j] = True
-    return q_ids.to(device), q_probs.to(device), sampled.to(device)
+    k = max(1, max((len(p.token_ids) for t in trees for p in t.proposals), default=0))
+    empty = ([0] * k, [0.0] * k)
+    rows = [[empty] + [(p.token_ids + [0] * (k - len(p.token_ids)), p.probs + [0.0] * (k - len(p.probs)))
+                       for p in t.proposals] + [empty] * (n - 1 - len(t.proposals)) for t in trees]
+    q_ids = torch.tensor([[ids for ids, _ in row] for row in rows], dtype=torch.long)       # [B, n, K]
+    q_probs = torch.tensor([[probs for _, probs in row] for row in rows], dtype=torch.float64)
+    sampled = torch.tensor([[False] + [True] * len(t.proposals) + [False] * (n - 1 - len(t.proposals))
+                            for t in trees], dtype=torch.bool)
+    return upload(q_ids, device), upload(q_probs, device), upload(sampled, device)

@@ -89,8 +89,9 @@ def test_a_broken_rule_fails_the_same_test(pair, monkeypatch):
     """Accepting every draft token (ignoring the target) must be caught."""
     real = verifier_engine.spec_sample
 
-    def accept_everything(probs, tokens, parents, depth, q_ids, q_probs, sampled, u_accept, u_bonus):
-        return real(probs, tokens, parents, depth, q_ids, q_probs, sampled, torch.zeros_like(u_accept), u_bonus)
+    def accept_everything(probs, tokens, parents, depth, q_ids, q_probs, sampled, u_accept, u_bonus, *bounds):
+        return real(probs, tokens, parents, depth, q_ids, q_probs, sampled, torch.zeros_like(u_accept), u_bonus,
+                    *bounds)
 
     monkeypatch.setattr(verifier_engine, "spec_sample", accept_everything)
     target, draft = pair

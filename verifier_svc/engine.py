@@ -11,7 +11,7 @@ import torch
 from kernels.greedy_accept import greedy_accept
 from kernels.spec_sampling import child_table, spec_sample
 from specdec.errors import ErrorCode, SequenceError
-from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded
+from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded, upload_list
 from specdec.model.runner import ModelRunner
 from specdec.sampling import ACCEPT, RESIDUAL, processed_probs, sample_from, seed_tensor, uniforms
 from specdec.sequence_table import SequenceState, SequenceTable
@@ -91,13 +91,13 @@ class VerifierEngine:
         positions = torch.arange(n, device=self.device).expand_as(tokens)
         batch = ForwardBatch.build(
             tokens, positions, self.table.slots(leaders, self.device), positions,
-            torch.zeros_like(lengths), causal_region(lengths, n),
+            torch.zeros_like(lengths), causal_region(lengths, n), kv_len=n,
         )
         logits = self.runner.forward(batch, logit_index=(lengths - 1)[:, None])  # [L, 1, V]
         followers = [s for s, _ in opened if leader_of[s.seq_id] is not s]
         if followers:
             src = self.table.slots([leader_of[s.seq_id] for s in followers], self.device)
-            self.runner.copy_prefix(src, self.table.slots(followers, self.device), int(lengths.max()))
+            self.runner.copy_prefix(src, self.table.slots(followers, self.device), n)
         row = {s.seq_id: i for i, s in enumerate(leaders)}
         states = [s for s, _ in opened]
         logits = logits[[row[leader_of[s.seq_id].seq_id] for s in states]]      # [B, 1, V]
@@ -112,24 +112,26 @@ class VerifierEngine:
         if all(p.greedy for p in params):
             return logits.argmax(-1)
         probs = processed_probs(logits[:, None], params)[:, 0]
-        pos = torch.tensor([len(s.tokens) for s in states], device=self.device)[:, None]
+        pos = upload_list([len(s.tokens) for s in states], self.device)[:, None]
         return sample_from(probs, uniforms(seed_tensor(params, self.device), pos, RESIDUAL)[:, 0])
 
     def _verify(self, items: list[tuple[SequenceState, VerifyItem]]) -> list[Verdict]:
         states = [s for s, _ in items]
         trees = pack_trees([s.tokens[-1] for s in states], [it.draft for _, it in items], self.device)
         n = trees.tokens.shape[1]
-        kv_start = torch.tensor([len(s.tokens) - 1 for s in states], device=self.device)  # [B]
+        starts = [len(s.tokens) - 1 for s in states]  # KV entries before the root
+        kv_start = upload_list(starts, self.device)   # [B]
         slots = self.table.slots(states, self.device)
         batch = ForwardBatch.build(
             trees.tokens, kv_start[:, None] + trees.depth, slots,
             kv_start[:, None] + torch.arange(n, device=self.device), kv_start, trees.ancestors,
+            kv_len=max(starts) + n,
         )
         logits = self.runner.forward(batch)  # [B, n, V]
         params = [s.sampling for s in states]
         if all(p.greedy for p in params):
             verdict = greedy_accept(trees.tokens, trees.parents, trees.depth, trees.ancestors, trees.num_nodes,
-                                    logits.argmax(-1))
+                                    logits.argmax(-1), trees.max_depth)
         else:
             q_ids, q_probs, sampled = pack_proposals([it.draft for _, it in items], n, self.device)
             seeds = seed_tensor(params, self.device)
@@ -138,17 +140,20 @@ class VerifierEngine:
             verdict = spec_sample(
                 processed_probs(logits, params), trees.tokens, trees.parents, trees.depth, q_ids, q_probs, sampled,
                 uniforms(seeds, pos, ACCEPT + 16 * rank), uniforms(seeds, pos + 1, RESIDUAL),
+                trees.max_depth, trees.max_children,
             )
-        # Compact the accepted path's KV entries into a dense prefix (a no-op for chains).
         dense = torch.arange(verdict.path.shape[1], device=self.device)[None, :]
         on_path = verdict.path >= 0
-        if bool((on_path & (verdict.path != dense)).any()):
+        scattered = (on_path & (verdict.path != dense)).any(1)                      # [B]
+        accepted = torch.gather(trees.tokens, 1, verdict.path.clamp(min=0))[:, 1:]  # [B, D]
+        # The step's one read-back: accepted tokens, their count, the bonus, whether to compact.
+        rows = torch.cat([accepted, torch.stack([verdict.accept_len, verdict.bonus, scattered.long()], 1)], 1)
+        rows = rows.tolist()
+        if any(row[-1] for row in rows):  # compact the accepted path's KV into a dense prefix
             src = kv_start[:, None] + torch.where(on_path, verdict.path, dense)
             self.runner.move(slots, src, kv_start[:, None] + dense)
-        accepted = torch.gather(trees.tokens, 1, verdict.path.clamp(min=0))[:, 1:]  # [B, D]
-        accepted_rows = accepted.tolist()
         out = []
-        for s, row, a, bonus in zip(states, accepted_rows, verdict.accept_len.tolist(), verdict.bonus.tolist()):
+        for s, (*row, a, bonus, _) in zip(states, rows):
             new = row[:a] + [bonus]
             s.tokens += new
             out.append(Verdict(s.seq_id, len(s.tokens), new, a))

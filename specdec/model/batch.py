@@ -35,8 +35,12 @@ class ForwardBatch:
         write_pos: torch.Tensor,
         prefix_len: torch.Tensor,
         region_mask: torch.Tensor,
+        kv_len: int | None = None,
     ) -> ForwardBatch:
-        kv_len = int(torch.maximum(write_pos.max(), (prefix_len - 1).max()).item()) + 1
+        """kv_len: the engines pass it from host-side lengths; left out, it is read back from the
+        device (a synchronisation: tests and tools only)."""
+        if kv_len is None:
+            kv_len = int(torch.maximum(write_pos.max(), (prefix_len - 1).max()).item()) + 1
         return cls(tokens, positions, slots, write_pos, prefix_len, region_mask, kv_len)
 
 
@@ -63,10 +67,20 @@ def causal_region(lengths: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def ragged_to_padded(seqs: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Python token lists -> ([B, n] padded tensor, [B] lengths)."""
-    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
-    n = int(lengths.max())
-    out = torch.full((len(seqs), n), pad, dtype=torch.long)
-    for i, s in enumerate(seqs):  # host-side packing of the request, not per-step tensor work
-        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-    return out.to(device), lengths.to(device)
+    """Python token lists -> ([B, n] padded tensor, [B] lengths); n = the longest list."""
+    n = max(len(s) for s in seqs)
+    padded = [s + [pad] * (n - len(s)) for s in seqs]
+    return upload(torch.tensor(padded, dtype=torch.long), device), upload_list([len(s) for s in seqs], device)
+
+
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device: pinned memory, non-blocking copy
+    (a plain copy from pageable memory synchronises the stream)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def upload_list(values: list[int], device: torch.device) -> torch.Tensor:
+    """[len(values)] int64 on `device`, see upload."""
+    return upload(torch.tensor(values, dtype=torch.long), device)
