@@ -1,0 +1,43 @@
+"""Write a random-weight checkpoint of a named real model's shape (for cost measurements: the
+step time of a model does not depend on its weights), with the embedded tokenizer when asked.
+
+    python scripts/random_checkpoint.py --shape llama-3.1-8b --out /tmp/llama8b --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+SHAPES = {
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    t0 = time.perf_counter()
+    cfg = LlamaConfig(max_position_embeddings=8192, initializer_range=0.02, **SHAPES[a.shape])
+    torch.manual_seed(a.seed)
+    with torch.device(a.device):  # initialise on the GPU: minutes faster than on the CPU for 8B
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(a.out)
+    print(f"{a.shape}: {sum(x.numel() for x in model.parameters()) / 1e9:.2f}B parameters -> {a.out} "
+          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
