@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top operators for the last setting")
+    p.add_argument("--cuda-graphs", action="store_true", help="capture the verify forwards as CUDA graphs first")
     a = p.parse_args()
     if a.model is None:
         from specdec.embedded_model import ensure_embedded_models
@@ -64,8 +65,10 @@ def main() -> None:
     device = torch.device(a.device)
     dtype = DTYPES[a.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     engine = VerifierEngine(ModelRunner(load_model(a.model, dtype, device)), max(a.batch), 4096, 64)
+    if a.cuda_graphs:
+        engine.runner.capture_cuda_graphs(max(a.batch), tuple(sorted({k + 1 for k in a.k})))
     rng = random.Random(0)
-    print(f"model={Path(a.model).name} device={device} dtype={dtype}")
+    print(f"model={Path(a.model).name} device={device} dtype={dtype} cuda_graphs={a.cuda_graphs}")
     print("| batch | k | step ms p50 | step ms min |")
     print("|---|---|---|---|")
     for batch in a.batch:

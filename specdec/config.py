@@ -25,6 +25,7 @@ class EngineServiceConfig:
     max_context: int
     max_draft_tokens: int
     tp: int
+    cuda_graphs: bool = True
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
@@ -41,13 +42,17 @@ class EngineServiceConfig:
                        help="most draft tokens verified per sequence and step")
         p.add_argument("--tp", type=int, default=int(env(f"{key}_TP", env("TP", "1"))),
                        help=f"tensor-parallel ranks (env SPECDEC_{key}_TP or SPECDEC_TP): GPUs on cuda, processes on cpu")
+        p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
+                       default=env("CUDA_GRAPHS", "1") not in ("0", "false", "no"),
+                       help="capture the repeating step forwards as CUDA graphs at start-up (cuda, --tp 1; "
+                            "env SPECDEC_CUDA_GRAPHS=0 turns it off)")
 
     @classmethod
     def from_args(cls, a: argparse.Namespace, role: str, model_dir: Path) -> EngineServiceConfig:
         if a.tp < 1:
             raise SystemExit("--tp must be at least 1")
         return cls(role, model_dir, a.listen, a.device, a.dtype, a.max_sequences, a.max_context,
-                   a.max_draft_tokens, a.tp)
+                   a.max_draft_tokens, a.tp, a.cuda_graphs)
 
 
 def add_device_arguments(p: argparse.ArgumentParser) -> None:

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from specdec.config import EngineServiceConfig
 from specdec.log import configure_logging
+from specdec.model.cuda_graphs import DEFAULT_QUERY_LENS
 from specdec.model.parallel import TPLayout
 from specdec.model.spec import ModelSpec
 from specdec.rpc import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
@@ -51,9 +52,15 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
     async def on_start(state: ServingState) -> None:
         """NOT_SERVING until every kernel path has run once (compiled, on the GPU) without error."""
         await state.set_serving(False)
+        loop = asyncio.get_running_loop()
+        if cfg.cuda_graphs and cfg.device == "cuda" and cfg.tp == 1:
+            # Chains and trees of up to max_draft_tokens nodes plus the root; a drafter feeds one token.
+            lens = (1,) if cfg.role == "drafter" else tuple(
+                n for n in DEFAULT_QUERY_LENS if n <= cfg.max_draft_tokens + 1)
+            await loop.run_in_executor(executor, runner.capture_cuda_graphs, cfg.max_sequences, lens, log)
         log.info("warming up")
         try:
-            await asyncio.get_running_loop().run_in_executor(executor, warm_up, engine)
+            await loop.run_in_executor(executor, warm_up, engine)
         except Exception as exc:
             log.exception("warm-up failed; exiting")
             raise SystemExit(f"{cfg.role}: warm-up failed, the engine cannot serve: {exc}") from exc

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from specdec.model.batch import ForwardBatch
+from specdec.model.cuda_graphs import DEFAULT_BATCH_SIZES, GraphedForward
 from specdec.model.kv_cache import KVCache
 from specdec.model.llama import LlamaForCausalLM
 
@@ -24,13 +25,27 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.cache: KVCache | None = None
+        self.graphs: GraphedForward | None = None
 
     def allocate_kv(self, num_slots: int, slot_len: int) -> None:
+        """num_slots for sequences, and one more that no sequence owns: CUDA graphs' padding rows write there."""
         layout = self.model.layout
-        self.cache = KVCache(self.spec.num_layers, num_slots, slot_len, layout.kv_heads, self.spec.head_dim,
+        self.cache = KVCache(self.spec.num_layers, num_slots + 1, slot_len, layout.kv_heads, self.spec.head_dim,
                              self.dtype, self.device)
 
+    def capture_cuda_graphs(self, max_batch: int, query_lens: tuple[int, ...], log=None) -> None:
+        """Capture the repeating forwards (see cuda_graphs.py); single-rank CUDA only."""
+        sizes = tuple(b for b in DEFAULT_BATCH_SIZES if b < max_batch) + (max_batch,)
+        self.graphs = GraphedForward(lambda batch: self.model(batch, self.cache), self.spec.vocab_size,
+                                     self.cache.num_slots - 1, self.cache.slot_len, self.device, sizes, query_lens,
+                                     torch.promote_types(self.dtype, torch.float32))
+        self.graphs.capture(log)
+
     def forward(self, batch: ForwardBatch, logit_index: torch.Tensor | None = None) -> torch.Tensor:
+        if self.graphs is not None and logit_index is None:
+            logits = self.graphs.run(batch)
+            if logits is not None:
+                return logits  # a view of the graphs' static buffer: valid until the next forward
         return self.model(batch, self.cache, logit_index)
 
     def move(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

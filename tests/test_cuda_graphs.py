@@ -1,0 +1,113 @@
+"""CUDA-graph padding, checked on the CPU: the graphed forward pads a batch up to its bucket
+(rows writing into the scratch slot) and the query length up to the captured one (tokens that
+see only themselves). Here the "graph" is the same eager forward on the padded static inputs, so
+every difference from the unpadded forward is the padding's fault: verdicts must be identical,
+logits equal to rounding, real KV entries identical, and no other sequence's slot touched.
+(tests/test_cuda_graphs_cuda.py replays real graphs on the GPU.)"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from specdec.model.batch import ForwardBatch, causal_region
+from specdec.model.cuda_graphs import GraphedForward, _Graph
+from specdec.model.loader import load_model
+from specdec.model.runner import ModelRunner
+from specdec.tree import DraftTree
+from verifier_svc.engine import VerifierEngine
+from verifier_svc.types import OpenSequence, VerifierStep, VerifyItem
+
+SLOTS, CONTEXT, DRAFT = 6, 96, 16
+
+
+class EagerGraphs(GraphedForward):
+    """The graph machinery with replay replaced by an eager forward over the static inputs."""
+
+    def _capture_one(self, b: int, n: int) -> _Graph:
+        return _Graph(None, self._padding(b, n), self._padding(b, n))
+
+    def _replay(self, g: _Graph) -> None:
+        self._write_logits(g.inputs)
+
+
+def engines(path, device: str = "cpu", dtype=torch.float64, graphs=EagerGraphs) -> tuple[VerifierEngine, VerifierEngine]:
+    """Two verifiers of one checkpoint: eager, and graphed with batch buckets 1, 2, 4, 6 and
+    query lengths 1, 2, 5, 9."""
+    out = []
+    for graphed in (False, True):
+        runner = ModelRunner(load_model(path, dtype, torch.device(device)))
+        engine = VerifierEngine(runner, SLOTS, CONTEXT, DRAFT)
+        if graphed:
+            runner.graphs = graphs(lambda batch, r=runner: r.model(batch, r.cache), runner.spec.vocab_size,
+                                   SLOTS, runner.cache.slot_len, runner.device, (1, 2, 4, SLOTS),
+                                   (1, 2, 5, 9), torch.promote_types(dtype, torch.float32))
+            runner.graphs.capture()
+        out.append(engine)
+    return out[0], out[1]
+
+
+def random_draft(rng: random.Random, vocab: int) -> DraftTree:
+    size = rng.choice([0, 1, 3, 4, 7, 8, 12])
+    if rng.random() < 0.5:
+        return DraftTree.chain([rng.randrange(vocab) for _ in range(size)])
+    parents = [rng.randrange(i) for i in range(1, size + 1)]
+    return DraftTree([rng.randrange(vocab) for _ in range(size)], parents)
+
+
+def test_padded_forward_changes_nothing(checkpoints):
+    check_padded_steps(*engines(checkpoints["llama-gqa"]), tol=1e-12)
+
+
+def check_padded_steps(eager: VerifierEngine, graphed: VerifierEngine, tol: float) -> None:
+    """Random verify steps of 1..5 sequences and drafts of 0..12 nodes give the same verdicts
+    and KV with and without graphs; padding rows write only to the scratch slot."""
+    vocab = eager.spec.vocab_size
+    rng = random.Random(5)
+    graphs, replayed = graphed.runner.graphs, []
+    real_run = graphs.run
+    graphs.run = lambda batch: replayed.append(real_run(batch)) or replayed[-1]  # count the hits
+    ids = [f"s{i}" for i in range(5)]
+    opens = [OpenSequence(sid, [rng.randrange(vocab) for _ in range(rng.randint(2, 9))]) for sid in ids]
+    assert eager.step(VerifierStep(0, open=opens)) == graphed.step(VerifierStep(0, open=opens))
+    used = set()
+    for step in range(1, 12):
+        live = rng.sample(ids, rng.randint(1, 5))  # batches of 1..5: padded to 1, 2, 4 or 6 rows
+        items = [VerifyItem(sid, len(eager.table.get(sid).tokens), random_draft(rng, vocab)) for sid in live]
+        expected, got = eager.step(VerifierStep(step, verify=items)), graphed.step(VerifierStep(step, verify=items))
+        assert not expected.errors and got == expected, f"step {step}"
+        used |= {(len(live), 1 + max(len(it.draft) for it in items))}
+    assert len(used) > 5  # several bucket/length pairs, padded both ways
+    assert sum(r is not None for r in replayed) > 5 and None in replayed  # graphed, and eager past 9 nodes
+    for sid in ids:  # the KV entries the sequences own are the same
+        e, g = eager.table.get(sid), graphed.table.get(sid)
+        n = len(e.tokens) - 1
+        for cache_e, cache_g in ((eager.runner.cache.k, graphed.runner.cache.k),
+                                 (eager.runner.cache.v, graphed.runner.cache.v)):
+            torch.testing.assert_close(cache_g[:, g.slot, :n], cache_e[:, e.slot, :n], rtol=tol, atol=tol)
+    free = [s for s in range(SLOTS) if s not in {graphed.table.get(sid).slot for sid in ids}]
+    assert not graphed.runner.cache.k[:, free].any()  # padding rows write only to the scratch slot
+    assert graphed.runner.cache.k[:, SLOTS].any()
+
+
+def test_logits_equal_unpadded_and_odd_shapes_fall_back(checkpoints):
+    check_logits(*engines(checkpoints["qwen2-bias"]), tol=1e-10)
+
+
+def check_logits(eager: VerifierEngine, graphed: VerifierEngine, tol: float) -> None:
+    prompt = [3, 1, 4, 1, 5]
+    for engine in (eager, graphed):
+        engine.step(VerifierStep(0, open=[OpenSequence("a", prompt), OpenSequence("b", prompt[:3])]))
+    def chain_batch(engine, n):
+        starts = torch.tensor([len(engine.table.get(s).tokens) - 1 for s in "ab"])
+        tok = torch.tensor([[7] * n, [9] * n])
+        pos = starts[:, None] + torch.arange(n)
+        return ForwardBatch.build(tok, pos, engine.table.slots([engine.table.get(s) for s in "ab"], engine.device),
+                                  pos, starts, causal_region(torch.tensor([n, n]), n))
+
+    for n in (1, 3, 9):
+        want = eager.runner.forward(chain_batch(eager, n))
+        got = graphed.runner.forward(chain_batch(graphed, n))
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert graphed.runner.graphs.run(chain_batch(graphed, 10)) is None  # longer than any capture: eager

@@ -1,0 +1,22 @@
+"""Real CUDA graphs on the GPU: replayed verify steps give the verdicts, logits and KV of the
+eager forward on the same inputs (fp32, so argmax ties are far), padding included. The CUDA
+end-to-end tests (test_e2e_cuda.py, test_e2e_bf16_cuda.py) serve with graphs on, the default.
+Skips without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cuda_graphs import check_logits, check_padded_steps, engines
+
+from specdec.model.cuda_graphs import GraphedForward
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_replayed_steps_equal_eager_steps(checkpoints):
+    check_padded_steps(*engines(checkpoints["llama-gqa"], "cuda", torch.float32, GraphedForward), tol=1e-5)
+
+
+def test_replayed_logits_equal_eager_logits(checkpoints):
+    check_logits(*engines(checkpoints["qwen2-bias"], "cuda", torch.float32, GraphedForward), tol=1e-4)
