@@ -100,11 +100,12 @@ def check_logits(eager: VerifierEngine, graphed: VerifierEngine, tol: float) -> 
     for engine in (eager, graphed):
         engine.step(VerifierStep(0, open=[OpenSequence("a", prompt), OpenSequence("b", prompt[:3])]))
     def chain_batch(engine, n):
-        starts = torch.tensor([len(engine.table.get(s).tokens) - 1 for s in "ab"])
-        tok = torch.tensor([[7] * n, [9] * n])
-        pos = starts[:, None] + torch.arange(n)
-        return ForwardBatch.build(tok, pos, engine.table.slots([engine.table.get(s) for s in "ab"], engine.device),
-                                  pos, starts, causal_region(torch.tensor([n, n]), n))
+        dev = engine.device
+        starts = torch.tensor([len(engine.table.get(s).tokens) - 1 for s in "ab"], device=dev)
+        tok = torch.tensor([[7] * n, [9] * n], device=dev)
+        pos = starts[:, None] + torch.arange(n, device=dev)
+        return ForwardBatch.build(tok, pos, engine.table.slots([engine.table.get(s) for s in "ab"], dev),
+                                  pos, starts, causal_region(torch.tensor([n, n], device=dev), n))
 
     for n in (1, 3, 9):
         want = eager.runner.forward(chain_batch(eager, n))
