@@ -32,6 +32,7 @@ from kernels import tree_attention as attn_mod  # noqa: E402
 from specdec.model.batch import causal_region  # noqa: E402
 from specdec.sampling import ACCEPT, RESIDUAL, SamplingParams, processed_probs, seed_tensor, uniforms  # noqa: E402
 from specdec.tree import DraftTree, Proposal, pack_proposals, pack_trees  # noqa: E402
+from test_greedy_accept import brute_force  # noqa: E402
 
 DEVICE = torch.device("cuda")
 HALF = [torch.bfloat16, torch.float16]
@@ -197,17 +198,6 @@ def _first_max_index(x: torch.Tensor) -> torch.Tensor:
     return torch.where(is_max, idx, x.shape[-1]).min(-1).values
 
 
-def _brute_force_greedy(tree: DraftTree, argmax: list[int]) -> tuple[list[int], int]:
-    path, node = [0], 0
-    while True:
-        children = [i for i, p in enumerate(tree.parents, start=1) if p == node]
-        match = next((c for c in children if tree.token_ids[c - 1] == argmax[node]), None)
-        if match is None:
-            return path, argmax[node]
-        path.append(match)
-        node = match
-
-
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize("vocab", [384, 32003])
 def test_greedy_accept_on_half_logits(dtype, vocab):
@@ -253,7 +243,7 @@ def test_greedy_accept_on_half_logits(dtype, vocab):
         assert torch.equal(got.accept_len, ref.accept_len) and torch.equal(got.bonus, ref.bonus)
         assert torch.equal(got.path, ref.path)
         for i, tree in enumerate(drafts):
-            path, bonus = _brute_force_greedy(tree, am[i])
+            path, bonus = brute_force(0, tree, am[i])
             assert got.path[i, : len(path)].tolist() == path
             assert int(got.accept_len[i]) == len(path) - 1 and int(got.bonus[i]) == bonus
     assert ties > 0
