@@ -61,8 +61,7 @@ class DrafterEngine:
                 ready.append((state, item))
         if not ready:
             return result
-        contexts = [s.tokens + it.assumed_ids for s, it in ready]
-        last_logits = self._catch_up([s for s, _ in ready], contexts)  # [B, V]
+        last_logits = self._catch_up(ready)  # [B, V]
         chains = [i for i, (_, it) in enumerate(ready) if isinstance(it.shape, ChainShape)]
         trees = [i for i, (_, it) in enumerate(ready) if isinstance(it.shape, TreeShape)]
         drafted: dict[int, DraftTree] = {}
@@ -110,15 +109,25 @@ class DrafterEngine:
                                  f"sequence reached the drafter's context limit {self.max_context}")
         return state
 
-    def _catch_up(self, states: list[SequenceState], contexts: list[list[int]]) -> torch.Tensor:
-        """Feed each context's tokens that the KV lacks (at least its last one); -> next-token logits [B, V]."""
-        starts = []
-        for s, ctx in zip(states, contexts):  # host bookkeeping: where the KV diverges
-            limit = min(len(s.kv_tokens), len(ctx) - 1)
-            common = next((i for i in range(limit) if s.kv_tokens[i] != ctx[i]), limit)
+    def _catch_up(self, ready: list[tuple[SequenceState, DraftItem]]) -> torch.Tensor:
+        """Feed each context (committed + assumed tokens) where the KV lacks it, at least its last
+        token; -> next-token logits [B, V]. Host work per sequence is O(tokens since the last
+        step), not O(context): the KV's first `kv_synced` entries are known to be committed ones."""
+        states, starts, feeds = [], [], []
+        for s, it in ready:
+            committed, assumed = s.tokens, it.assumed_ids
+            limit = min(len(s.kv_tokens), len(committed) + len(assumed) - 1)
+            common = min(s.kv_synced, limit)
+            while common < limit and s.kv_tokens[common] == (
+                    committed[common] if common < len(committed) else assumed[common - len(committed)]):
+                common += 1
+            feed = committed[common:] + assumed if common < len(committed) else assumed[common - len(committed):]
+            del s.kv_tokens[common:]
+            s.kv_tokens += feed            # after this feed the KV holds exactly the context
+            s.kv_synced = len(committed)
+            states.append(s)
             starts.append(common)
-            s.kv_tokens = list(ctx)  # after this feed the KV holds exactly the context
-        feeds = [ctx[c:] for ctx, c in zip(contexts, starts)]
+            feeds.append(feed)
         tokens, lengths = ragged_to_padded(feeds, 0, self.device)
         n = tokens.shape[1]
         start = upload_list(starts, self.device)

@@ -17,6 +17,7 @@ class SequenceState:
     slot: int
     tokens: list[int]           # committed tokens (prompt + generated)
     kv_tokens: list[int] = field(default_factory=list)  # tokens whose KV entries are stored, in order
+    kv_synced: int = 0          # leading kv_tokens known to equal committed tokens (drafter catch-up)
     sampling: SamplingParams = GREEDY
 
 

@@ -118,3 +118,27 @@ def test_stale_and_unknown_items_are_refused(checkpoints):
     ]))
     assert [e.code.name for e in res.errors] == ["STALE", "NOT_FOUND", "INVALID"]
     assert not res.drafts
+
+
+def test_incremental_catch_up_equals_drafting_from_scratch(checkpoints):
+    """Random commits (partial acceptance, misses, full acceptance), overlap pre-drafts on
+    assumed tokens and repeated drafts without new tokens: every draft of one long-lived sequence
+    equals a fresh engine's draft from the whole context (so the KV bookkeeping is exact)."""
+    import random
+
+    path = checkpoints["llama-gqa"]
+    eng = engine(path)
+    rng = random.Random(11)
+    context = [5, 6, 7]
+    sent = 0
+    for step in range(1, 25):
+        assumed = [rng.randrange(380) for _ in range(rng.choice([0, 0, 1, 3]))]
+        shape = ChainShape(rng.choice([1, 2, 4]))
+        res = eng.step(DrafterStep(step, [DraftItem("s", len(context), context[sent:], assumed, shape)]))
+        sent = len(context)
+        fresh = engine(path).step(DrafterStep(1, [DraftItem("s", len(context) + len(assumed), context + assumed,
+                                                            [], shape)]))
+        assert res.drafts[0].tree.token_ids == fresh.drafts[0].tree.token_ids, f"step {step}"
+        drafted = res.drafts[0].tree.token_ids
+        kept = drafted[: rng.randrange(len(drafted) + 1)] if not assumed else []
+        context += kept + [rng.randrange(380)] * rng.choice([0, 1, 1])  # sometimes nothing new at all
