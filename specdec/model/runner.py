@@ -1,8 +1,8 @@
 """ModelRunner: the model and its KV cache behind the three calls engines make.
 
 With tensor parallelism, rank 0's runner (TPLeader) broadcasts each call as a small command over
-the collective backend before running its own shard; the other ranks run `follow`, executing
-the same commands on their shards. Tensors move only through torch.distributed.
+the collective backend before running its own shard (commands.py: tensors, no pickling); the
+other ranks run `follow`, executing the same commands on their shards.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import threading
 
 import torch
-import torch.distributed as dist
 
+from specdec.model import commands
 from specdec.model.batch import ForwardBatch
 from specdec.model.cuda_graphs import DEFAULT_BATCH_SIZES, GraphedForward
 from specdec.model.kv_cache import KVCache
@@ -65,9 +65,8 @@ class TPLeader(ModelRunner):
         super().__init__(model)
         self.stopping = threading.Event()  # set before the other ranks are told to exit
 
-    def _broadcast(self, *command) -> None:
-        payload = [tuple(x.cpu() if isinstance(x, torch.Tensor) else x for x in command)]
-        dist.broadcast_object_list(payload, src=0)
+    def _broadcast(self, name: str, *args) -> None:
+        commands.send(self.device, name, *args)
 
     def allocate_kv(self, num_slots: int, slot_len: int) -> None:
         self._broadcast("allocate_kv", num_slots, slot_len)
@@ -95,10 +94,7 @@ class TPLeader(ModelRunner):
 def follow(runner: ModelRunner) -> None:
     """Ranks > 0: execute rank 0's commands until it says stop."""
     while True:
-        payload = [None]
-        dist.broadcast_object_list(payload, src=0)
-        name, *args = payload[0]
-        args = [a.to(runner.device) if isinstance(a, torch.Tensor) else a for a in args]
+        name, args = commands.receive(runner.device)
         if name == "stop":
             return
         if name == "allocate_kv":
