@@ -26,8 +26,13 @@ import torch
 
 from specdec.model.batch import ForwardBatch
 
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 DEFAULT_QUERY_LENS = (1, 2, 3, 5, 9, 17)
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then steps of 16, and max_batch itself: a batch pads by at most 15 rows."""
+    sizes = {b for b in (1, 2, 4, 8, *range(16, max_batch, 16)) if b < max_batch}
+    return tuple(sorted(sizes | {max_batch}))
 
 
 class _Graph:

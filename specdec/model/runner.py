@@ -13,7 +13,7 @@ import torch
 
 from specdec.model import commands
 from specdec.model.batch import ForwardBatch
-from specdec.model.cuda_graphs import DEFAULT_BATCH_SIZES, GraphedForward
+from specdec.model.cuda_graphs import GraphedForward, batch_buckets
 from specdec.model.kv_cache import KVCache
 from specdec.model.llama import LlamaForCausalLM
 
@@ -35,7 +35,7 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_batch: int, query_lens: tuple[int, ...], log=None) -> None:
         """Capture the repeating forwards (see cuda_graphs.py); single-rank CUDA only."""
-        sizes = tuple(b for b in DEFAULT_BATCH_SIZES if b < max_batch) + (max_batch,)
+        sizes = batch_buckets(max_batch)
         self.graphs = GraphedForward(lambda batch: self.model(batch, self.cache), self.spec.vocab_size,
                                      self.cache.num_slots - 1, self.cache.slot_len, self.device, sizes, query_lens,
                                      torch.promote_types(self.dtype, torch.float32))
