@@ -22,10 +22,6 @@ class HoldGate:
     def __init__(self, directory: Path | None) -> None:
         self.directory = directory
 
-    @property
-    def enabled(self) -> bool:
-        return self.directory is not None
-
     def held(self, r: ActiveRequest) -> bool:
         if self.directory is None:
             return False

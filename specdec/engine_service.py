@@ -53,17 +53,17 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
         """NOT_SERVING until every kernel path has run once (compiled, on the GPU) without error."""
         await state.set_serving(False)
         loop = asyncio.get_running_loop()
-        if cfg.cuda_graphs and cfg.device == "cuda" and cfg.tp == 1:
-            # Chains and trees of up to max_draft_tokens nodes plus the root; a drafter feeds one token.
-            lens = (1,) if cfg.role == "drafter" else tuple(
-                n for n in DEFAULT_QUERY_LENS if n <= cfg.max_draft_tokens + 1)
-            await loop.run_in_executor(executor, runner.capture_cuda_graphs, cfg.max_sequences, lens, log)
-        log.info("warming up")
         try:
+            if cfg.cuda_graphs and cfg.device == "cuda" and cfg.tp == 1:
+                # Chains and trees of up to max_draft_tokens nodes plus the root; a drafter feeds one token.
+                lens = (1,) if cfg.role == "drafter" else tuple(
+                    n for n in DEFAULT_QUERY_LENS if n <= cfg.max_draft_tokens + 1)
+                await loop.run_in_executor(executor, runner.capture_cuda_graphs, cfg.max_sequences, lens, log)
+            log.info("warming up")
             await loop.run_in_executor(executor, warm_up, engine)
         except Exception as exc:
-            log.exception("warm-up failed; exiting")
-            raise SystemExit(f"{cfg.role}: warm-up failed, the engine cannot serve: {exc}") from exc
+            log.exception("start-up failed; exiting")
+            raise SystemExit(f"{cfg.role}: graph capture or warm-up failed, the engine cannot serve: {exc}") from exc
         await state.set_serving(True)
         log.info("ready")
 
