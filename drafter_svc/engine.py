@@ -131,10 +131,18 @@ class DrafterEngine:
         tokens, lengths = ragged_to_padded(feeds, 0, self.device)
         n = tokens.shape[1]
         start = upload_list(starts, self.device)
-        pos = start[:, None] + torch.arange(n, device=self.device)
+        pos = self._in_slot(start[:, None] + torch.arange(n, device=self.device))
         slots = self.table.slots(states, self.device)
-        batch = ForwardBatch.build(tokens, pos, slots, pos, start, causal_region(lengths, n), kv_len=max(starts) + n)
+        kv_len = min(max(starts) + n, self.slot_len)
+        batch = ForwardBatch.build(tokens, pos, slots, pos, start, causal_region(lengths, n), kv_len=kv_len)
         return self.runner.forward(batch, logit_index=(lengths - 1)[:, None])[:, 0]
+
+    def _in_slot(self, write_pos: torch.Tensor) -> torch.Tensor:
+        """Write positions clamped into the KV slot. Only padding goes past it (a short feed
+        batched with a long one, a short chain with a long one). _apply keeps context + k within
+        slot_len, so catch-up and chains never write a real token at slot_len - 1: that position is
+        free for padding's garbage (a tree may use it later, writing over it first)."""
+        return write_pos.clamp(max=self.slot_len - 1)
 
     def _draft_chains(self, states: list[SequenceState], ks: list[int], params: list[SamplingParams],
                       logits: torch.Tensor) -> list[DraftTree]:
@@ -163,10 +171,10 @@ class DrafterEngine:
             logps.append(logp.gather(1, best[:, None])[:, 0])
             if t == steps - 1:
                 break
-            p = (pos + t)[:, None]
-            batch = ForwardBatch.build(best[:, None], p, slots, p, pos + t,
+            p = self._in_slot(pos + t)[:, None]
+            batch = ForwardBatch.build(best[:, None], p, slots, p, p[:, 0],
                                        torch.ones(len(states), 1, 1, dtype=torch.bool, device=self.device),
-                                       kv_len=max(written) + t + 1)
+                                       kv_len=min(max(written) + t + 1, self.slot_len))
             logits = self.runner.forward(batch)[:, 0]
         tok_rows = torch.stack(toks, 1).tolist()
         lp_rows = torch.stack(logps, 1).tolist()

@@ -142,3 +142,20 @@ def test_incremental_catch_up_equals_drafting_from_scratch(checkpoints):
         drafted = res.drafts[0].tree.token_ids
         kept = drafted[: rng.randrange(len(drafted) + 1)] if not assumed else []
         context += kept + [rng.randrange(380)] * rng.choice([0, 1, 1])  # sometimes nothing new at all
+
+
+def test_long_context_batched_with_long_feed(checkpoints):
+    """A sequence near the context limit that feeds one token, batched with a sequence that opens
+    with a long prompt: the short feed's padding lies past the KV slot and must not be written
+    there (it indexed out of bounds once). Both drafts equal a fresh engine's."""
+    path = checkpoints["llama-gqa"]
+    eng = engine(path)
+    old = [(7 * i) % 300 + 1 for i in range(120)]
+    new = [(11 * i) % 300 + 1 for i in range(120)]
+    eng.step(DrafterStep(1, [DraftItem("old", len(old), old, [], ChainShape(1))]))
+    res = eng.step(DrafterStep(2, [DraftItem("old", len(old) + 1, [42], [], ChainShape(1)),
+                                   DraftItem("new", len(new), new, [], ChainShape(4))]))
+    assert not res.errors
+    for draft, ctx, k in zip(res.drafts, [old + [42], new], [1, 4]):
+        fresh = engine(path).step(DrafterStep(1, [DraftItem("s", len(ctx), ctx, [], ChainShape(k))]))
+        assert draft.tree.token_ids == fresh.drafts[0].tree.token_ids
