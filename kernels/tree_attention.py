@@ -6,10 +6,19 @@ The reference gathers each sequence's keys and runs torch SDPA with a boolean ma
 kernel reads K/V in place from the cache (no gather copy) and is flash-attention style: one
 program per (sequence, KV head, block of query rows), the rows being (token, q head of this KV
 group) pairs, with an online softmax over key blocks; the mask costs nothing on prefix blocks.
+
+Split-K (flash-decoding): when a step has too few (sequence, KV head, row block) programs to fill
+the GPU -- small batches of one to a few tokens each, the decode case -- the keys are cut into
+chunks at fixed absolute positions, one program per chunk writes an unnormalised partial
+(running max, sum, weighted values) and a second kernel folds the chunks in order. The chunk
+count comes from the cache's slot length, not from the lengths in the batch, so the launch shape
+is the same for every step of a shape (CUDA graphs replay it); chunks past a sequence's keys exit
+at once.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -29,7 +38,7 @@ def tree_attention(q, k_cache, v_cache, layer, slots, prefix_len, region_mask, k
     `mask` ([B, 1, n, kv_len], optional) is the reference's precomputed dense mask.
     """
     if use_triton(q):
-        return tree_attention_triton(q, k_cache, v_cache, layer, slots, prefix_len, region_mask)
+        return tree_attention_triton(q, k_cache, v_cache, layer, slots, prefix_len, region_mask, split=None)
     return tree_attention_reference(q, k_cache, v_cache, layer, slots, prefix_len, region_mask, kv_len, mask)
 
 
@@ -46,68 +55,136 @@ def tree_attention_reference(q, k_cache, v_cache, layer, slots, prefix_len, regi
 
 if HAVE_TRITON:
 
-    @triton.jit(do_not_specialize=["layer", "n", "R", "n_slots", "slot_len"])
-    def _tree_attention_kernel(q, k, v, out, slots, prefix_len, region, layer, n, R, n_slots, slot_len,
-                               sm_scale, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr):
+    @triton.jit(do_not_specialize=["layer", "n", "R", "n_slots", "slot_len", "n_chunks"])
+    def _tree_attention_kernel(q, k, v, out, part_m, part_l, part_acc, slots, prefix_len, region, layer, n, R,
+                               n_slots, slot_len, n_chunks, sm_scale, H: tl.constexpr, HKV: tl.constexpr,
+                               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+                               SPLIT: tl.constexpr, FP32: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         G: tl.constexpr = H // HKV
-        rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)     # (token, head-in-group) pairs
+        chunk = tl.program_id(2) % n_chunks
+        rows = (tl.program_id(2) // n_chunks) * BLOCK_M + tl.arange(0, BLOCK_M)  # (token, head-in-group) pairs
         token = rows // G
         head = kvh * G + rows % G
         row_ok = token < n
-        dims = tl.arange(0, D)
-        q_tile = tl.load(q + ((b * n + token[:, None]) * H + head[:, None]) * D + dims[None, :],
-                         mask=row_ok[:, None], other=0.0)
         slot = tl.load(slots + b)
         prefix = tl.load(prefix_len + b)
-        base = ((layer * n_slots + slot) * slot_len) * HKV * D + kvh * D
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
-        for start in range(0, prefix + R, BLOCK_N):
-            pos = start + tl.arange(0, BLOCK_N)
-            in_cache = pos < prefix + R
-            kv_off = base + pos[:, None] * HKV * D + dims[None, :]
-            k_tile = tl.load(k + kv_off, mask=in_cache[:, None], other=0.0)
-            v_tile = tl.load(v + kv_off, mask=in_cache[:, None], other=0.0)
-            if FP32:
-                s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee")
+        lo = chunk * CHUNK
+        if SPLIT:
+            hi = tl.minimum(lo + CHUNK, prefix + R)
+        else:
+            hi = prefix + R
+        if lo < hi:
+            dims = tl.arange(0, D)
+            q_tile = tl.load(q + ((b * n + token[:, None]) * H + head[:, None]) * D + dims[None, :],
+                             mask=row_ok[:, None], other=0.0)
+            base = ((layer * n_slots + slot) * slot_len) * HKV * D + kvh * D
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, D], tl.float32)
+            for start in range(lo, hi, BLOCK_N):
+                pos = start + tl.arange(0, BLOCK_N)
+                in_cache = pos < hi
+                kv_off = base + pos[:, None] * HKV * D + dims[None, :]
+                k_tile = tl.load(k + kv_off, mask=in_cache[:, None], other=0.0)
+                v_tile = tl.load(v + kv_off, mask=in_cache[:, None], other=0.0)
+                if FP32:
+                    s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee")
+                else:
+                    s = tl.dot(q_tile, tl.trans(k_tile))
+                s = s * sm_scale
+                rel = pos - prefix
+                in_region = (rel >= 0) & (rel < R)
+                allowed = tl.load(region + (b * n + token[:, None]) * R + rel[None, :],
+                                  mask=row_ok[:, None] & in_region[None, :], other=0) != 0
+                visible = ((pos[None, :] < prefix) | allowed) & in_cache[None, :]
+                s = tl.where(visible & row_ok[:, None], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(s - m_safe[:, None])
+                alpha = tl.exp(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                if FP32:
+                    acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile)
+                m_i = m_new
+            if SPLIT:  # partial [B, n, H, n_chunks (, D)]: combined by _combine_kernel
+                part = ((b * n + token) * H + head) * n_chunks + chunk
+                tl.store(part_m + part, m_i, mask=row_ok)
+                tl.store(part_l + part, l_i, mask=row_ok)
+                tl.store(part_acc + part[:, None] * D + dims[None, :], acc, mask=row_ok[:, None])
             else:
-                s = tl.dot(q_tile, tl.trans(k_tile))
-            s = s * sm_scale
-            rel = pos - prefix
-            in_region = (rel >= 0) & (rel < R)
-            allowed = tl.load(region + (b * n + token[:, None]) * R + rel[None, :],
-                              mask=row_ok[:, None] & in_region[None, :], other=0) != 0
-            visible = (pos[None, :] < prefix) | allowed
-            s = tl.where(visible & row_ok[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if FP32:
-                acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile)
-            m_i = m_new
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out + ((b * n + token[:, None]) * H + head[:, None]) * D + dims[None, :],
-                 o.to(out.dtype.element_ty), mask=row_ok[:, None])
+                o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+                tl.store(out + ((b * n + token[:, None]) * H + head[:, None]) * D + dims[None, :],
+                         o.to(out.dtype.element_ty), mask=row_ok[:, None])
 
-    def tree_attention_triton(q, k_cache, v_cache, layer, slots, prefix_len, region_mask) -> torch.Tensor:
+    @triton.jit(do_not_specialize=["n", "R", "n_chunks"])
+    def _combine_kernel(out, part_m, part_l, part_acc, prefix_len, n, R, n_chunks, H: tl.constexpr,
+                        D: tl.constexpr, CHUNK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # (b * n + token) * H + head
+        b = row // (n * H)
+        used = tl.cdiv(tl.load(prefix_len + b) + R, CHUNK)  # chunks that wrote a partial
+        dims = tl.arange(0, D)
+        m_run = float("-inf")
+        l_run = 0.0
+        acc = tl.zeros([D], tl.float32)
+        for c in range(0, used):
+            m_c = tl.load(part_m + row * n_chunks + c)
+            l_c = tl.load(part_l + row * n_chunks + c)
+            a_c = tl.load(part_acc + (row * n_chunks + c) * D + dims)
+            m_new = tl.maximum(m_run, m_c)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            old, new = tl.exp(m_run - m_safe), tl.exp(m_c - m_safe)
+            l_run = l_run * old + l_c * new
+            acc = acc * old + a_c * new
+            m_run = m_new
+        o = acc / tl.where(l_run > 0, l_run, 1.0)
+        tl.store(out + row * D + dims, o.to(out.dtype.element_ty))
+
+    @functools.cache
+    def _sm_count(device: torch.device) -> int:
+        return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+    def split_chunks(slot_len: int, programs: int, sm_count: int) -> int:
+        """Key-chunk length for split-K, or 0 for none: split when the unsplit launch has fewer
+        programs than SMs, into at most 64 chunks of at least 64 keys."""
+        if programs >= sm_count:
+            return 0
+        chunk = max(64, triton.next_power_of_2(triton.cdiv(slot_len, 64)))
+        return chunk if slot_len > chunk else 0
+
+    def tree_attention_triton(q, k_cache, v_cache, layer, slots, prefix_len, region_mask,
+                              split: bool | None = None) -> torch.Tensor:
+        """split None: decide by launch size (split_chunks); True/False force it (tests)."""
         b, n, h, d = q.shape
         _, n_slots, slot_len, hkv, _ = k_cache.shape
         r = region_mask.shape[-1]
         out = torch.empty_like(q)
         rows = n * (h // hkv)
         block_m = max(16, min(64, triton.next_power_of_2(rows)))
-        grid = (b, hkv, triton.cdiv(rows, block_m))
-        _tree_attention_kernel[grid](
-            q.contiguous(), k_cache, v_cache, out, slots.contiguous(), prefix_len.contiguous(),
-            region_mask.to(torch.int8).contiguous(), layer, n, r, n_slots, slot_len, 1.0 / math.sqrt(d),
-            H=h, HKV=hkv, D=d, BLOCK_M=block_m, BLOCK_N=64, FP32=q.dtype == torch.float32,
+        row_blocks = triton.cdiv(rows, block_m)
+        programs = b * hkv * row_blocks
+        if split is None:
+            chunk = split_chunks(slot_len, programs, _sm_count(q.device))
+        else:
+            chunk = split_chunks(slot_len, 0 if split else programs, programs)
+        n_chunks = triton.cdiv(slot_len, chunk) if chunk else 1
+        if chunk:
+            part_m = q.new_empty(b, n, h, n_chunks, dtype=torch.float32)
+            part_l = torch.empty_like(part_m)
+            part_acc = q.new_empty(b, n, h, n_chunks, d, dtype=torch.float32)
+        else:
+            part_m = part_l = part_acc = out  # unused
+        q, slots, prefix_len = q.contiguous(), slots.contiguous(), prefix_len.contiguous()
+        region = region_mask.contiguous().view(torch.int8)  # bool is one byte: a view, no kernel
+        _tree_attention_kernel[(b, hkv, row_blocks * n_chunks)](
+            q, k_cache, v_cache, out, part_m, part_l, part_acc, slots, prefix_len, region, layer, n, r,
+            n_slots, slot_len, n_chunks, 1.0 / math.sqrt(d), H=h, HKV=hkv, D=d, BLOCK_M=block_m, BLOCK_N=64,
+            CHUNK=chunk or 64, SPLIT=bool(chunk), FP32=q.dtype == torch.float32,
         )
+        if chunk:
+            _combine_kernel[(b * n * h,)](out, part_m, part_l, part_acc, prefix_len, n, r, n_chunks, H=h, D=d,
+                                          CHUNK=chunk)
         return out

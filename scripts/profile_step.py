@@ -3,6 +3,10 @@ rejected: the cost of a step does not depend on acceptance), per-step wall time 
 synchronized, then the top operators from torch.profiler. For finding per-step overheads
 (launches, syncs, JIT compiles) before and after a change.
 
+Also the forward alone (the model on the step's shape, no engine work around it) and, on CUDA,
+the memory-traffic limit of a step: weight and KV bytes read over the copy bandwidth measured in
+the same run; "of limit" = limit / step time.
+
     python scripts/profile_step.py --model DIR --device cuda --batch 1 16 --k 0 4
     python scripts/profile_step.py            (the embedded SmolLM2 target)
 """
@@ -20,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from specdec.model.batch import ForwardBatch, causal_region  # noqa: E402
 from specdec.model.loader import DTYPES, load_model  # noqa: E402
 from specdec.model.runner import ModelRunner  # noqa: E402
 from specdec.tree import DraftTree  # noqa: E402
@@ -46,6 +51,55 @@ def run_steps(engine: VerifierEngine, ids: list[str], k: int, steps: int, rng: r
     return times
 
 
+def time_forward(engine: VerifierEngine, ids: list[str], n: int, steps: int) -> list[float]:
+    """The model alone on the verify shape [len(ids), n] (graph replay when captured)."""
+    states = [engine.table.get(sid) for sid in ids]
+    dev = engine.device
+    start = torch.tensor([len(st.tokens) - 1 for st in states], device=dev)
+    pos = start[:, None] + torch.arange(n, device=dev)
+    batch = ForwardBatch.build(torch.zeros_like(pos), pos, engine.table.slots(states, dev), pos, start,
+                               causal_region(torch.full((len(ids),), n, device=dev), n))
+    times = []
+    for _ in range(steps + 3):
+        sync(dev)
+        t0 = time.perf_counter()
+        engine.runner.forward(batch)
+        sync(dev)
+        times.append(1e3 * (time.perf_counter() - t0))
+    return times[3:]
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a large device copy, read + write counted (the usual convention)."""
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    sync(device)
+    return 2 * 10 * src.numel() / (time.perf_counter() - t0)
+
+
+def bytes_per_step(engine: VerifierEngine, batch: int, context: int) -> int:
+    """Weights read once per step (the embedding table only by rows, unless tied to the head)
+    plus each sequence's KV."""
+    model = engine.runner.model
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        if name.endswith("embed_tokens.weight") and p.data_ptr() != model.lm_head.weight.data_ptr():
+            continue
+        total += p.numel() * p.element_size()
+    spec = engine.spec
+    kv = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * engine.runner.dtype.itemsize
+    return total + batch * context * kv
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model")
@@ -57,6 +111,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top operators for the last setting")
     p.add_argument("--cuda-graphs", action="store_true", help="capture the verify forwards as CUDA graphs first")
+    p.add_argument("--no-fuse", action="store_true", help="the reference forward (separate projections, "
+                   "unfused norms and RoPE) instead of the fused one")
     a = p.parse_args()
     if a.model is None:
         from specdec.embedded_model import ensure_embedded_models
@@ -64,13 +120,17 @@ def main() -> None:
         a.model = ensure_embedded_models()[0]
     device = torch.device(a.device)
     dtype = DTYPES[a.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
-    engine = VerifierEngine(ModelRunner(load_model(a.model, dtype, device)), max(a.batch), 4096, 64)
+    engine = VerifierEngine(ModelRunner(load_model(a.model, dtype, device, fuse=False if a.no_fuse else None)),
+                            max(a.batch), 4096, 64)
     if a.cuda_graphs:
         engine.runner.capture_cuda_graphs(max(a.batch), tuple(sorted({k + 1 for k in a.k})))
     rng = random.Random(0)
-    print(f"model={Path(a.model).name} device={device} dtype={dtype} cuda_graphs={a.cuda_graphs}")
-    print("| batch | k | step ms p50 | step ms min |")
-    print("|---|---|---|---|")
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
+    print(f"model={Path(a.model).name} device={device} dtype={dtype} cuda_graphs={a.cuda_graphs} "
+          f"fused={engine.runner.model.fused}"
+          + (f" copy_bandwidth={bandwidth / 1e12:.2f} TB/s" if bandwidth else ""))
+    print("| batch | k | step ms p50 | step ms min | forward ms p50 | limit ms | step of limit | forward of limit |")
+    print("|---|---|---|---|---|---|---|---|")
     for batch in a.batch:
         for k in a.k:
             ids = [f"s{i}" for i in range(batch)]
@@ -78,13 +138,21 @@ def main() -> None:
             engine.step(VerifierStep(0, open=[OpenSequence(sid, prompt) for sid in ids]))
             run_steps(engine, ids, k, 3, rng)  # warm-up: compiles, allocator
             times = run_steps(engine, ids, k, a.steps, rng)
-            print(f"| {batch} | {k} | {statistics.median(times):.2f} | {min(times):.2f} |", flush=True)
+            fwd = statistics.median(time_forward(engine, ids, k + 1, a.steps))
+            step = statistics.median(times)
+            row = f"| {batch} | {k} | {step:.2f} | {min(times):.2f} | {fwd:.2f} |"
+            if bandwidth:
+                limit = 1e3 * bytes_per_step(engine, batch, a.prompt_len) / bandwidth
+                row += f" {limit:.2f} | {limit / step:.0%} | {limit / fwd:.0%} |"
+            print(row, flush=True)
             if a.profile and (batch, k) == (a.batch[-1], a.k[-1]):
                 activities = [torch.profiler.ProfilerActivity.CPU] + (
                     [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
                 with torch.profiler.profile(activities=activities) as prof:
                     run_steps(engine, ids, k, 5, rng)
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+                if device.type == "cuda":
+                    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
             engine.close(ids)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -11,11 +13,28 @@ from specdec.model.kv_cache import KVCache
 from specdec.model.loader import load_model
 
 
+def with_random_norms(path: Path, out: Path) -> Path:
+    """A copy of the checkpoint whose RMSNorm weights differ from one another (HF initialises
+    them all to ones, which would hide a norm applied in the wrong place)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.3 * torch.randn_like(param))
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["reference", "fused"])
 @pytest.mark.parametrize("shape", ["llama-gqa", "llama-tied", "qwen2-bias", "mistral"])
-def test_prefill_then_incremental_equals_hf(shape, checkpoints):
-    path = checkpoints[shape]
+def test_prefill_then_incremental_equals_hf(shape, fuse, checkpoints, tmp_path):
+    """fused: the GPU's forward structure (merged projections, residual adds fused with the norms,
+    RoPE fused with the KV write) run with the kernels' torch references."""
+    path = with_random_norms(checkpoints[shape], tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
-    ours = load_model(path, torch.float64, torch.device("cpu"))
+    ours = load_model(path, torch.float64, torch.device("cpu"), fuse=fuse)
+    assert ours.fused == fuse
     s = ours.spec
     cache = KVCache(s.num_layers, 3, 64, s.num_kv_heads, s.head_dim, torch.float64, torch.device("cpu"))
     torch.manual_seed(0)

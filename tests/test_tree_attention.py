@@ -14,14 +14,15 @@ from specdec.tree import DraftTree, pack_trees
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("split", [False, True], ids=["one-pass", "split-k"])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (2, 2)])
-def test_triton_equals_reference(heads, kv_heads):
+def test_triton_equals_reference(heads, kv_heads, split):
     from kernels.tree_attention import tree_attention_triton
 
     rng = random.Random(heads)
     torch.manual_seed(heads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    layers, n_slots, slot_len, d = 2, 4, 96, 16
+    layers, n_slots, slot_len, d = 2, 4, 200, 16  # split-k: chunks of 64 keys, up to 3 used
     k = torch.randn(layers, n_slots, slot_len, kv_heads, d, device=device)
     v = torch.randn_like(k)
     for _ in range(3):
@@ -34,9 +35,9 @@ def test_triton_equals_reference(heads, kv_heads):
         n = packed.tokens.shape[1]
         q = torch.randn(b, n, heads, d, device=device)
         slots = torch.tensor(rng.sample(range(n_slots), b), device=device)
-        prefix = torch.tensor([rng.randint(0, 70) for _ in range(b)], device=device)
+        prefix = torch.tensor([rng.randint(0, 180) for _ in range(b)], device=device)
         kv_len = int((prefix + n).max())
         layer = rng.randrange(layers)
         ref = tree_attention_reference(q, k, v, layer, slots, prefix, packed.ancestors, kv_len)
-        got = tree_attention_triton(q, k, v, layer, slots, prefix, packed.ancestors)
+        got = tree_attention_triton(q, k, v, layer, slots, prefix, packed.ancestors, split=split)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)

@@ -6,6 +6,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kernels.fused_norm import silu_and_mul
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -56,3 +58,21 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def fuse_projections(self) -> None:
+        """gate and up projections as one matmul (forward_fused); the separate ones are dropped."""
+        self.gate_up_proj = concat_linear([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+def concat_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the parts' outputs concatenated (same input)."""
+    weight = torch.cat([p.weight.data for p in parts])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if parts[0].bias is not None:
+        fused.bias = nn.Parameter(torch.cat([p.bias.data for p in parts]), requires_grad=False)
+    return fused

@@ -8,11 +8,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.fused_norm import add_rms_norm
+from kernels.rotary_kv import rope_and_write_kv
 from kernels.tree_attention import tree_attention
 from kernels.triton_support import use_triton
 from specdec.model.batch import ForwardBatch
 from specdec.model.kv_cache import KVCache
-from specdec.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from specdec.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, concat_linear
 from specdec.model.parallel import TPLayout, all_reduce, gather_vocab
 from specdec.model.spec import ModelSpec
 
@@ -49,6 +51,19 @@ class Attention(nn.Module):
                              batch.region_mask, batch.kv_len, mask)   # [B, n, H, D]
         return self.o_proj(out.reshape(b, n, -1))
 
+    def fuse_projections(self) -> None:
+        """q, k and v projections as one matmul (forward_fused); the separate ones are dropped."""
+        self.qkv_proj = concat_linear([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward_fused(self, x, cos, sin, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = rope_and_write_kv(self.qkv_proj(x), cos, sin, cache.k, cache.v, self.layer_idx, batch.slots,
+                              batch.write_pos, self.num_heads, self.num_kv_heads)   # [B, n, H, D]
+        out = tree_attention(q, cache.k, cache.v, self.layer_idx, batch.slots, batch.prefix_len,
+                             batch.region_mask, batch.kv_len)
+        return self.o_proj(out.reshape(b, n, -1))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layout: TPLayout, layer_idx: int) -> None:
@@ -62,6 +77,15 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, batch, mask, cache):
         x = x + all_reduce(self.self_attn(self.input_layernorm(x), cos, sin, batch, mask, cache), self.layout)
         return x + all_reduce(self.mlp(self.post_attention_layernorm(x)), self.layout)
+
+    def forward_fused(self, h, residual, cos, sin, batch, cache, next_norm: RMSNorm):
+        """h: this layer's normalised input, residual: the stream before it -> the same pair for
+        the next layer (normalised by next_norm): each residual add is fused with the norm after it."""
+        attn = all_reduce(self.self_attn.forward_fused(h, cos, sin, batch, cache), self.layout)
+        norm = self.post_attention_layernorm
+        h, residual = add_rms_norm(attn, residual, norm.weight, norm.eps)
+        mlp = all_reduce(self.mlp.forward_fused(h), self.layout)
+        return add_rms_norm(mlp, residual, next_norm.weight, next_norm.eps)
 
 
 class DecoderModel(nn.Module):
@@ -82,6 +106,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, self.layout.vocab_shard, bias=False)  # vocabulary-parallel
         if spec.tie_word_embeddings and self.layout.world == 1:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.fused = False
+
+    def fuse_projections(self) -> None:
+        """Switch to the fused forward: merged QKV and gate-up weights, residual adds fused with
+        the norms, RoPE fused with the KV write (kernels/; Triton on CUDA, torch elsewhere)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
+        self.fused = True
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache, logit_index: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,10 +125,25 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.model.embed_tokens(batch.tokens)              # [B, n, h]
         cos, sin = self.model.rotary(batch.positions, x.dtype)  # [B, n, D]
-        mask = None if use_triton(x) else batch.attention_mask()  # the Triton kernel masks on the fly
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, batch, mask, cache)
+        if self.fused:
+            x = self._layers_fused(x, cos, sin, batch, cache)
+        else:
+            mask = None if use_triton(x) else batch.attention_mask()  # the Triton kernel masks on the fly
+            for layer in self.model.layers:
+                x = layer(x, cos, sin, batch, mask, cache)
         if logit_index is not None:
             x = torch.gather(x, 1, logit_index[:, :, None].expand(-1, -1, x.shape[-1]))
-        logits = gather_vocab(self.lm_head(self.model.norm(x)), self.layout, self.spec.vocab_size)
+        if not self.fused:  # the fused layers end with the final norm applied
+            x = self.model.norm(x)
+        logits = gather_vocab(self.lm_head(x), self.layout, self.spec.vocab_size)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+    def _layers_fused(self, x, cos, sin, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """All layers in the fused form -> the final-normed hidden states [B, n, h]."""
+        layers = self.model.layers
+        first = layers[0].input_layernorm
+        h, residual = add_rms_norm(x, None, first.weight, first.eps)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h, residual = layer.forward_fused(h, residual, cos, sin, batch, cache, next_norm)
+        return h

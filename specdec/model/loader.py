@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kernels.triton_support import use_triton
+
 from specdec.model.llama import LlamaForCausalLM
 from specdec.model.parallel import TPLayout
 from specdec.model.spec import ModelSpec
@@ -23,8 +25,11 @@ DTYPES = {
 
 
 def load_model(
-    checkpoint_dir: str | Path, dtype: torch.dtype, device: torch.device, rank: int = 0, world: int = 1
+    checkpoint_dir: str | Path, dtype: torch.dtype, device: torch.device, rank: int = 0, world: int = 1,
+    fuse: bool | None = None,
 ) -> LlamaForCausalLM:
+    """fuse: the fused forward (merged projections, fused kernels); None = on CUDA with Triton,
+    where its kernels run. Elsewhere the reference forward stays as it was."""
     checkpoint_dir = Path(checkpoint_dir)
     spec = ModelSpec.from_pretrained(checkpoint_dir)
     layout = TPLayout.for_rank(spec, rank, world)
@@ -60,7 +65,10 @@ def load_model(
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary.inv_freq = spec.rope_inv_freq()[0]  # buffers are not in the checkpoint
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if fuse if fuse is not None else use_triton(next(model.parameters())):
+        model.fuse_projections()
+    return model
 
 
 def _read(st, name: str, layout: TPLayout, head_dim: int, as_name: str | None = None) -> torch.Tensor:
