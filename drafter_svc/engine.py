@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from drafter_svc.chain_graphs import GraphedChains
 from drafter_svc.tree_draft import expand_trees
 from drafter_svc.types import (
     ChainShape,
@@ -23,6 +24,7 @@ from drafter_svc.types import (
 from specdec.errors import ErrorCode, SequenceError
 from specdec.limits import MAX_CHAIN_K, MAX_DRAFTED_CHAIN, MAX_TREE_DEPTH, MAX_TREE_TOPK
 from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded, upload, upload_list
+from specdec.model.cuda_graphs import DEFAULT_QUERY_LENS
 from specdec.model.runner import ModelRunner
 from specdec.sampling import DRAFT, SamplingParams, processed_probs, sample_from, seed_tensor, uniforms
 from specdec.sequence_table import SequenceState, SequenceTable
@@ -45,6 +47,14 @@ class DrafterEngine:
         self.slot_len = self.max_context + DRAFT_SLACK
         runner.allocate_kv(max_sequences, self.slot_len)
         self.table = SequenceTable(max_sequences, spec.vocab_size, self.max_context)
+        self.max_sequences = max_sequences
+        self.chain_graphs: GraphedChains | None = None
+
+    def capture_cuda_graphs(self, log=None) -> None:
+        """Catch-up feeds of up to 17 tokens and whole greedy chains as graph replays (CUDA, one rank)."""
+        self.runner.capture_cuda_graphs(self.max_sequences, DEFAULT_QUERY_LENS, log)
+        self.chain_graphs = GraphedChains(self.runner, self.max_sequences)
+        self.chain_graphs.capture(log)
 
     def close(self, seq_ids: list[str]) -> None:
         self.table.close_all(seq_ids)
@@ -135,7 +145,11 @@ class DrafterEngine:
         slots = self.table.slots(states, self.device)
         kv_len = min(max(starts) + n, self.slot_len)
         batch = ForwardBatch.build(tokens, pos, slots, pos, start, causal_region(lengths, n), kv_len=kv_len)
-        return self.runner.forward(batch, logit_index=(lengths - 1)[:, None])[:, 0]
+        last = (lengths - 1)[:, None]
+        if self.chain_graphs is not None and n <= max(DEFAULT_QUERY_LENS):  # all positions, by graph replay
+            rows = torch.arange(len(states), device=self.device)
+            return self.runner.forward(batch)[rows, lengths - 1]
+        return self.runner.forward(batch, logit_index=last)[:, 0]
 
     def _in_slot(self, write_pos: torch.Tensor) -> torch.Tensor:
         """Write positions clamped into the KV slot. Only padding goes past it (a short feed
@@ -153,6 +167,10 @@ class DrafterEngine:
         written = [len(s.kv_tokens) for s in states]
         pos = upload_list(written, self.device)  # next write position
         sampling = not all(p.greedy for p in params)
+        graphed = None if sampling or self.chain_graphs is None else self.chain_graphs.run(logits, pos, slots, steps)
+        if graphed is not None:
+            tok_rows, lp_rows = graphed[0].tolist(), graphed[1].tolist()
+            return self._chains(states, ks, steps, tok_rows, lp_rows, None, params)
         seeds = seed_tensor(params, self.device) if sampling else None
         greedy_rows = upload(torch.tensor([p.greedy for p in params]), self.device)
         toks, logps, props = [], [], []
@@ -178,13 +196,21 @@ class DrafterEngine:
             logits = self.runner.forward(batch)[:, 0]
         tok_rows = torch.stack(toks, 1).tolist()
         lp_rows = torch.stack(logps, 1).tolist()
+        proposal_rows = None
         if sampling:
-            id_rows = torch.stack([q for q, _ in props], 1).tolist()   # [B][steps][K]
-            pr_rows = torch.stack([p for _, p in props], 1).tolist()
+            proposal_rows = (torch.stack([q for q, _ in props], 1).tolist(),   # [B][steps][K]
+                             torch.stack([p for _, p in props], 1).tolist())
+        return self._chains(states, ks, steps, tok_rows, lp_rows, proposal_rows, params)
+
+    @staticmethod
+    def _chains(states, ks, steps, tok_rows, lp_rows, proposal_rows, params) -> list[DraftTree]:
+        """Host rows of the drafted tokens -> one chain per sequence; records what the KV now holds."""
         out = []
         for i, (s, k, row, lp) in enumerate(zip(states, ks, tok_rows, lp_rows)):
             s.kv_tokens += row[: min(k, steps) - 1]  # the KV now also holds the chain but its last token
-            proposals = ([Proposal(ids, probs) for ids, probs in zip(id_rows[i][:k], pr_rows[i][:k])]
-                         if sampling and not params[i].greedy else None)
+            proposals = None
+            if proposal_rows is not None and not params[i].greedy:
+                id_rows, pr_rows = proposal_rows
+                proposals = [Proposal(ids, probs) for ids, probs in zip(id_rows[i][:k], pr_rows[i][:k])]
             out.append(DraftTree.chain(row[:k], lp[:k], proposals))
         return out

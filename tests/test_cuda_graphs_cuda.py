@@ -1,5 +1,6 @@
 """Real CUDA graphs on the GPU: replayed verify steps give the verdicts, logits and KV of the
-eager forward on the same inputs (fp32, so argmax ties are far), padding included. The CUDA
+eager forward on the same inputs (fp32, so argmax ties are far), padding included; a graphed
+drafter (catch-up replays, whole chains as one replay) drafts what the eager one drafts. The CUDA
 end-to-end tests (test_e2e_cuda.py, test_e2e_bf16_cuda.py) serve with graphs on, the default.
 Skips without CUDA."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_chain_graphs import check_drafts, drafter
 from test_cuda_graphs import check_logits, check_padded_steps, engines
 
 from specdec.model.cuda_graphs import GraphedForward
@@ -20,3 +22,8 @@ def test_replayed_steps_equal_eager_steps(checkpoints):
 
 def test_replayed_logits_equal_eager_logits(checkpoints):
     check_logits(*engines(checkpoints["qwen2-bias"], "cuda", torch.float32, GraphedForward), tol=1e-4)
+
+
+def test_graphed_drafter_equals_eager_drafter(checkpoints):
+    path = checkpoints["llama-gqa"]
+    check_drafts(drafter(path, False, "cuda", torch.float32), drafter(path, True, "cuda", torch.float32), tol=1e-4)

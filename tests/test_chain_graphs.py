@@ -1,0 +1,82 @@
+"""Drafter graphs, checked on the CPU: catch-up feeds through the graphed forward (padded to the
+captured query lengths and batch buckets) and greedy chains through the captured chain loop
+(padded rows drafting into the scratch slot). Here "replay" runs the same eager code on the
+static buffers, so any difference from the plain engine is the padding's or the buffers' fault:
+over random steps of several sequences (misses, partial and full acceptance, overlap
+pre-drafts, sequences opening and closing) every draft must be identical.
+(tests/test_cuda_graphs_cuda.py covers the real replay on the GPU.)"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from drafter_svc.chain_graphs import GraphedChains, _Chain
+from drafter_svc.engine import DrafterEngine
+from drafter_svc.types import ChainShape, DraftItem, DrafterStep
+from specdec.model.loader import load_model
+from specdec.model.runner import ModelRunner
+from test_cuda_graphs import EagerGraphs
+
+
+class EagerChains(GraphedChains):
+    def _capture_one(self, b: int, s: int) -> _Chain:
+        return self._new_chain(b, s)
+
+    def _replay(self, chain: _Chain) -> None:
+        self._draft(chain)
+
+
+def drafter(path, graphed: bool, device: str = "cpu", dtype=torch.float64) -> DrafterEngine:
+    runner = ModelRunner(load_model(path, dtype, torch.device(device)))
+    engine = DrafterEngine(runner, max_sequences=5, max_context=96)
+    if graphed and device == "cuda":
+        engine.capture_cuda_graphs()
+    elif graphed:
+        runner.graphs = EagerGraphs(lambda batch: runner.model(batch, runner.cache), runner.spec.vocab_size,
+                                    runner.cache.num_slots - 1, runner.cache.slot_len, runner.device,
+                                    (1, 2, 4, 5), (1, 2, 5, 9), dtype)
+        runner.graphs.capture()
+        engine.chain_graphs = EagerChains(runner, 5, lengths=(2, 3, 5))
+        engine.chain_graphs.capture()
+    return engine
+
+
+def test_graphed_drafts_equal_eager_drafts(checkpoints, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    path = checkpoints["llama-gqa"]
+    check_drafts(drafter(path, False), drafter(path, True), tol=1e-9)
+
+
+def check_drafts(eager: DrafterEngine, graphed: DrafterEngine, tol: float) -> None:
+    rng = random.Random(5)
+    contexts: dict[str, list[int]] = {}
+    sent: dict[str, int] = {}
+    replays = 0
+    for step in range(1, 30):
+        items = []
+        for sid in [f"s{i}" for i in range(5)]:
+            if sid not in contexts and rng.random() < 0.6:
+                contexts[sid], sent[sid] = [rng.randrange(380) for _ in range(rng.randint(1, 20))], 0
+            if sid not in contexts or rng.random() < 0.2:
+                continue
+            ctx = contexts[sid]
+            assumed = [rng.randrange(380) for _ in range(rng.choice([0, 0, 1, 3]))]
+            items.append(DraftItem(sid, len(ctx), ctx[sent[sid]:], assumed, ChainShape(rng.choice([1, 2, 3, 5]))))
+            sent[sid] = len(ctx)
+        if not items:
+            continue
+        want, got = eager.step(DrafterStep(step, items)), graphed.step(DrafterStep(step, items))
+        assert not want.errors and not got.errors
+        for w, g in zip(want.drafts, got.drafts):
+            assert g.tree.token_ids == w.tree.token_ids, f"step {step} {w.seq_id}"
+            assert max(abs(a - b) for a, b in zip(g.tree.logprobs, w.tree.logprobs)) < tol
+            kept = w.tree.token_ids[: rng.randrange(len(w.tree.token_ids) + 1)]
+            contexts[w.seq_id] += kept + [rng.randrange(380)]
+        replays += 1
+        done = [sid for sid, ctx in contexts.items() if len(ctx) > 80]
+        for sid in done:  # close long sequences: their slots are reused by new ones
+            eager.close([sid]), graphed.close([sid])
+            del contexts[sid], sent[sid]
+    assert replays > 20
