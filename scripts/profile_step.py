@@ -113,6 +113,7 @@ def main() -> None:
     p.add_argument("--cuda-graphs", action="store_true", help="capture the verify forwards as CUDA graphs first")
     p.add_argument("--no-fuse", action="store_true", help="the reference forward (separate projections, "
                    "unfused norms and RoPE) instead of the fused one")
+    p.add_argument("--batch-invariant", action="store_true", help="the batch-invariant matmuls and attention")
     a = p.parse_args()
     if a.model is None:
         from specdec.embedded_model import ensure_embedded_models
@@ -120,14 +121,15 @@ def main() -> None:
         a.model = ensure_embedded_models()[0]
     device = torch.device(a.device)
     dtype = DTYPES[a.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
-    engine = VerifierEngine(ModelRunner(load_model(a.model, dtype, device, fuse=False if a.no_fuse else None)),
+    engine = VerifierEngine(ModelRunner(load_model(a.model, dtype, device, fuse=False if a.no_fuse else None,
+                                                       batch_invariant=a.batch_invariant)),
                             max(a.batch), 4096, 64)
     if a.cuda_graphs:
         engine.runner.capture_cuda_graphs(max(a.batch), tuple(sorted({k + 1 for k in a.k})))
     rng = random.Random(0)
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     print(f"model={Path(a.model).name} device={device} dtype={dtype} cuda_graphs={a.cuda_graphs} "
-          f"fused={engine.runner.model.fused}"
+          f"fused={engine.runner.model.fused} batch_invariant={a.batch_invariant}"
           + (f" copy_bandwidth={bandwidth / 1e12:.2f} TB/s" if bandwidth else ""))
     print("| batch | k | step ms p50 | step ms min | forward ms p50 | limit ms | step of limit | forward of limit |")
     print("|---|---|---|---|---|---|---|---|")

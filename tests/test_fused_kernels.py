@@ -55,3 +55,15 @@ def test_rope_and_write_kv():
     torch.testing.assert_close(q, ref_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k, ref_k, rtol=1e-5, atol=1e-5)  # also: nothing else was written
     torch.testing.assert_close(v, ref_v, rtol=0, atol=0)
+
+
+def test_invariant_matmul_equals_linear_and_rows_do_not_depend_on_the_batch():
+    from kernels.invariant_matmul import invariant_linear_triton
+
+    torch.manual_seed(3)
+    x = torch.randn(70, 200, device=DEVICE)  # two row tiles, a partial K step
+    weight, bias = torch.randn(40, 200, device=DEVICE), torch.randn(40, device=DEVICE)
+    y = invariant_linear_triton(x, weight, bias)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
+    for rows in (slice(0, 1), slice(5, 9), slice(64, 70)):  # alone or in a smaller batch: the same bits
+        assert torch.equal(invariant_linear_triton(x[rows], weight, bias), y[rows])

@@ -26,14 +26,16 @@ def with_random_norms(path: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("fuse", [False, True], ids=["reference", "fused"])
+@pytest.mark.parametrize("fuse, invariant", [(False, False), (True, False), (True, True)],
+                         ids=["reference", "fused", "fused-invariant"])
 @pytest.mark.parametrize("shape", ["llama-gqa", "llama-tied", "qwen2-bias", "mistral"])
-def test_prefill_then_incremental_equals_hf(shape, fuse, checkpoints, tmp_path):
+def test_prefill_then_incremental_equals_hf(shape, fuse, invariant, checkpoints, tmp_path):
     """fused: the GPU's forward structure (merged projections, residual adds fused with the norms,
-    RoPE fused with the KV write) run with the kernels' torch references."""
+    RoPE fused with the KV write) run with the kernels' torch references; invariant: with the
+    batch-invariant layers swapped in (their references on the CPU)."""
     path = with_random_norms(checkpoints[shape], tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
-    ours = load_model(path, torch.float64, torch.device("cpu"), fuse=fuse)
+    ours = load_model(path, torch.float64, torch.device("cpu"), fuse=fuse, batch_invariant=invariant)
     assert ours.fused == fuse
     s = ours.spec
     cache = KVCache(s.num_layers, 3, 64, s.num_kv_heads, s.head_dim, torch.float64, torch.device("cpu"))

@@ -7,6 +7,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kernels.fused_norm import silu_and_mul
+from kernels.invariant_matmul import invariant_linear
 
 
 class RMSNorm(nn.Module):
@@ -76,3 +77,16 @@ def concat_linear(parts: list[nn.Linear]) -> nn.Linear:
     if parts[0].bias is not None:
         fused.bias = nn.Parameter(torch.cat([p.bias.data for p in parts]), requires_grad=False)
     return fused
+
+
+class InvariantLinear(nn.Linear):
+    """A Linear computed by the batch-invariant matmul (same parameters, same outputs up to rounding)."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> InvariantLinear:
+        out = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        out.weight, out.bias = linear.weight, linear.bias
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return invariant_linear(x, self.weight, self.bias)

@@ -14,7 +14,7 @@ from kernels.tree_attention import tree_attention
 from kernels.triton_support import use_triton
 from specdec.model.batch import ForwardBatch
 from specdec.model.kv_cache import KVCache
-from specdec.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, concat_linear
+from specdec.model.layers import GatedMLP, InvariantLinear, RMSNorm, RotaryEmbedding, apply_rotary, concat_linear
 from specdec.model.parallel import TPLayout, all_reduce, gather_vocab
 from specdec.model.spec import ModelSpec
 
@@ -31,6 +31,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=spec.o_bias)
+        self.batch_invariant = False
 
     def forward(
         self,
@@ -61,7 +62,7 @@ class Attention(nn.Module):
         q = rope_and_write_kv(self.qkv_proj(x), cos, sin, cache.k, cache.v, self.layer_idx, batch.slots,
                               batch.write_pos, self.num_heads, self.num_kv_heads)   # [B, n, H, D]
         out = tree_attention(q, cache.k, cache.v, self.layer_idx, batch.slots, batch.prefix_len,
-                             batch.region_mask, batch.kv_len)
+                             batch.region_mask, batch.kv_len, batch_invariant=self.batch_invariant)
         return self.o_proj(out.reshape(b, n, -1))
 
 
@@ -115,6 +116,17 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
         self.fused = True
+
+    def make_batch_invariant(self) -> None:
+        """Every matmul and attention call with one tile shape and reduction order whatever the
+        batch (kernels/invariant_matmul.py): a sequence's logits no longer depend on the mode, the
+        draft size or the other sequences in the step. Costs speed; see --batch-invariant."""
+        for name, module in list(self.named_modules()):
+            for child_name, child in list(module.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(module, child_name, InvariantLinear.from_linear(child))
+            if isinstance(module, Attention):
+                module.batch_invariant = True
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache, logit_index: torch.Tensor | None = None) -> torch.Tensor:

@@ -26,10 +26,11 @@ DTYPES = {
 
 def load_model(
     checkpoint_dir: str | Path, dtype: torch.dtype, device: torch.device, rank: int = 0, world: int = 1,
-    fuse: bool | None = None,
+    fuse: bool | None = None, batch_invariant: bool = False,
 ) -> LlamaForCausalLM:
     """fuse: the fused forward (merged projections, fused kernels); None = on CUDA with Triton,
-    where its kernels run. Elsewhere the reference forward stays as it was."""
+    where its kernels run. Elsewhere the reference forward stays as it was.
+    batch_invariant: batch-invariant matmuls and attention (LlamaForCausalLM.make_batch_invariant)."""
     checkpoint_dir = Path(checkpoint_dir)
     spec = ModelSpec.from_pretrained(checkpoint_dir)
     layout = TPLayout.for_rank(spec, rank, world)
@@ -68,6 +69,8 @@ def load_model(
     model = model.to(device).eval()
     if fuse if fuse is not None else use_triton(next(model.parameters())):
         model.fuse_projections()
+    if batch_invariant:
+        model.make_batch_invariant()
     return model
 
 
