@@ -31,18 +31,21 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from kernels.invariant_attention import invariant_attention_triton
+
 
 def tree_attention(q, k_cache, v_cache, layer, slots, prefix_len, region_mask, kv_len, mask=None,
                    batch_invariant: bool = False) -> torch.Tensor:
     """q [B, n, H, D]; caches [L, S, T, Hkv, D]; slots, prefix_len [B]; region_mask [B, n, R] -> [B, n, H, D].
 
     `mask` ([B, 1, n, kv_len], optional) is the reference's precomputed dense mask.
-    batch_invariant: one launch shape for every batch (no split-K, fixed row blocks), so a row's
-    result does not depend on the batch's size or its number of tokens.
+    batch_invariant: kernels/invariant_attention.py, where a token's result depends only on its own
+    context (not on the mode, the draft's size or shape, or the batch).
     """
+    if use_triton(q) and batch_invariant:
+        return invariant_attention_triton(q, k_cache, v_cache, layer, slots, prefix_len, region_mask)
     if use_triton(q):
-        return tree_attention_triton(q, k_cache, v_cache, layer, slots, prefix_len, region_mask,
-                                     split=False if batch_invariant else None, fixed_rows=batch_invariant)
+        return tree_attention_triton(q, k_cache, v_cache, layer, slots, prefix_len, region_mask)
     return tree_attention_reference(q, k_cache, v_cache, layer, slots, prefix_len, region_mask, kv_len, mask)
 
 
@@ -160,15 +163,14 @@ if HAVE_TRITON:
         return chunk if slot_len > chunk else 0
 
     def tree_attention_triton(q, k_cache, v_cache, layer, slots, prefix_len, region_mask,
-                              split: bool | None = None, fixed_rows: bool = False) -> torch.Tensor:
-        """split None: decide by launch size (split_chunks); True/False force it. fixed_rows: 64-row
-        blocks whatever the token count (the tile shape, and so the rounding, never changes)."""
+                              split: bool | None = None) -> torch.Tensor:
+        """split None: decide by launch size (split_chunks); True/False force it (tests)."""
         b, n, h, d = q.shape
         _, n_slots, slot_len, hkv, _ = k_cache.shape
         r = region_mask.shape[-1]
         out = torch.empty_like(q)
         rows = n * (h // hkv)
-        block_m = 64 if fixed_rows else max(16, min(64, triton.next_power_of_2(rows)))
+        block_m = max(16, min(64, triton.next_power_of_2(rows)))
         row_blocks = triton.cdiv(rows, block_m)
         programs = b * hkv * row_blocks
         if split is None:
