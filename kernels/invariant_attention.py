@@ -138,11 +138,13 @@ if HAVE_TRITON:
         o = acc / tl.where(l_run > 0, l_run, 1.0)
         tl.store(out + row * D + dims, o.to(out.dtype.element_ty))
 
-    def invariant_attention_triton(q, k_cache, v_cache, layer, slots, prefix_len, region_mask) -> torch.Tensor:
-        """Same contract as tree_attention (q [B, n, H, D] -> [B, n, H, D])."""
+    def invariant_attention_triton(q, k_cache, v_cache, layer, slots, prefix_len, region_mask,
+                                   paths_depths: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Same contract as tree_attention (q [B, n, H, D] -> [B, n, H, D]); paths_depths:
+        ancestor_paths(region_mask), passed in when the caller computes it once for all layers."""
         b, n, h, d = q.shape
         _, n_slots, slot_len, hkv, _ = k_cache.shape
-        paths, depths = ancestor_paths(region_mask)
+        paths, depths = paths_depths if paths_depths is not None else ancestor_paths(region_mask)
         r = region_mask.shape[-1]
         out = torch.empty_like(q)
         split = n <= MAX_SPLIT_TOKENS

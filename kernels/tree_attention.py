@@ -35,15 +35,16 @@ if HAVE_TRITON:
 
 
 def tree_attention(q, k_cache, v_cache, layer, slots, prefix_len, region_mask, kv_len, mask=None,
-                   batch_invariant: bool = False) -> torch.Tensor:
+                   ancestor_paths: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [B, n, H, D]; caches [L, S, T, Hkv, D]; slots, prefix_len [B]; region_mask [B, n, R] -> [B, n, H, D].
 
     `mask` ([B, 1, n, kv_len], optional) is the reference's precomputed dense mask.
-    batch_invariant: kernels/invariant_attention.py, where a token's result depends only on its own
-    context (not on the mode, the draft's size or shape, or the batch).
+    ancestor_paths (invariant_attention.ancestor_paths of region_mask, given = batch-invariant):
+    kernels/invariant_attention.py, where a token's result depends only on its own context (not on
+    the mode, the draft's size or shape, or the batch).
     """
-    if use_triton(q) and batch_invariant:
-        return invariant_attention_triton(q, k_cache, v_cache, layer, slots, prefix_len, region_mask)
+    if use_triton(q) and ancestor_paths is not None:
+        return invariant_attention_triton(q, k_cache, v_cache, layer, slots, prefix_len, region_mask, ancestor_paths)
     if use_triton(q):
         return tree_attention_triton(q, k_cache, v_cache, layer, slots, prefix_len, region_mask)
     return tree_attention_reference(q, k_cache, v_cache, layer, slots, prefix_len, region_mask, kv_len, mask)

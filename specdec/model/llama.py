@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kernels.fused_norm import add_rms_norm
+from kernels.invariant_attention import ancestor_paths
 from kernels.rotary_kv import rope_and_write_kv
 from kernels.tree_attention import tree_attention
 from kernels.triton_support import use_triton
@@ -57,12 +58,13 @@ class Attention(nn.Module):
         self.qkv_proj = concat_linear([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward_fused(self, x, cos, sin, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+    def forward_fused(self, x, cos, sin, batch: ForwardBatch, cache: KVCache, paths=None) -> torch.Tensor:
+        """paths: the batch's ancestor paths when batch-invariant (computed once per forward)."""
         b, n, _ = x.shape
         q = rope_and_write_kv(self.qkv_proj(x), cos, sin, cache.k, cache.v, self.layer_idx, batch.slots,
                               batch.write_pos, self.num_heads, self.num_kv_heads)   # [B, n, H, D]
         out = tree_attention(q, cache.k, cache.v, self.layer_idx, batch.slots, batch.prefix_len,
-                             batch.region_mask, batch.kv_len, batch_invariant=self.batch_invariant)
+                             batch.region_mask, batch.kv_len, ancestor_paths=paths)
         return self.o_proj(out.reshape(b, n, -1))
 
 
@@ -79,10 +81,10 @@ class DecoderLayer(nn.Module):
         x = x + all_reduce(self.self_attn(self.input_layernorm(x), cos, sin, batch, mask, cache), self.layout)
         return x + all_reduce(self.mlp(self.post_attention_layernorm(x)), self.layout)
 
-    def forward_fused(self, h, residual, cos, sin, batch, cache, next_norm: RMSNorm):
+    def forward_fused(self, h, residual, cos, sin, batch, cache, next_norm: RMSNorm, paths=None):
         """h: this layer's normalised input, residual: the stream before it -> the same pair for
         the next layer (normalised by next_norm): each residual add is fused with the norm after it."""
-        attn = all_reduce(self.self_attn.forward_fused(h, cos, sin, batch, cache), self.layout)
+        attn = all_reduce(self.self_attn.forward_fused(h, cos, sin, batch, cache, paths), self.layout)
         norm = self.post_attention_layernorm
         h, residual = add_rms_norm(attn, residual, norm.weight, norm.eps)
         mlp = all_reduce(self.mlp.forward_fused(h), self.layout)
@@ -155,7 +157,8 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         first = layers[0].input_layernorm
         h, residual = add_rms_norm(x, None, first.weight, first.eps)
+        paths = ancestor_paths(batch.region_mask) if layers[0].self_attn.batch_invariant and x.is_cuda else None
         for i, layer in enumerate(layers):
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            h, residual = layer.forward_fused(h, residual, cos, sin, batch, cache, next_norm)
+            h, residual = layer.forward_fused(h, residual, cos, sin, batch, cache, next_norm, paths)
         return h
