@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -22,6 +24,22 @@ SHAPES = {
 }
 
 
+def write_checkpoint(shape: dict, out: str | Path, device: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                     initializer_range: float = 0.02, max_position_embeddings: int = 8192,
+                     edit: Callable[[torch.nn.Module], None] | None = None) -> int:
+    """A random-weight Llama checkpoint of `shape` (LlamaConfig fields) in `out`, after `edit` (which
+    may change weight values in place); -> parameter count."""
+    cfg = LlamaConfig(max_position_embeddings=max_position_embeddings, initializer_range=initializer_range, **shape)
+    torch.manual_seed(seed)
+    with torch.device(device):  # initialise on the GPU: minutes faster than on the CPU for 8B
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    if edit is not None:
+        with torch.no_grad():
+            edit(model)
+    model.save_pretrained(out)
+    return sum(x.numel() for x in model.parameters())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), required=True)
@@ -30,13 +48,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     t0 = time.perf_counter()
-    cfg = LlamaConfig(max_position_embeddings=8192, initializer_range=0.02, **SHAPES[a.shape])
-    torch.manual_seed(a.seed)
-    with torch.device(a.device):  # initialise on the GPU: minutes faster than on the CPU for 8B
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(a.out)
-    print(f"{a.shape}: {sum(x.numel() for x in model.parameters()) / 1e9:.2f}B parameters -> {a.out} "
-          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    params = write_checkpoint(SHAPES[a.shape], a.out, a.device, a.seed)
+    print(f"{a.shape}: {params / 1e9:.2f}B parameters -> {a.out} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,40 @@ from pathlib import Path
 
 def env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(f"SPECDEC_{name}", default)
+
+
+REFERENCE_FORMAT = "specdec-controlled-acceptance/1"
+
+
+@dataclass(frozen=True)
+class ControlledAcceptance:
+    """Benchmarks only (drafter_svc/controlled.py): the drafter still runs its model, then proposes
+    the target's own continuation of each prompt (`references`: prompt ids -> mode-off output ids)
+    so that the target accepts each draft position with probability `acceptance`, drawn from `seed`."""
+
+    references: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    acceptance: float
+    seed: int = 0
+
+    @classmethod
+    def from_file(cls, path: str | Path, acceptance: float, seed: int = 0) -> ControlledAcceptance:
+        if not 0.0 <= acceptance <= 1.0:
+            raise SystemExit(f"--acceptance {acceptance} must be in [0, 1]")
+        try:
+            data = json.loads(Path(path).read_text())
+            if data.get("format") != REFERENCE_FORMAT:
+                raise ValueError(f"format is {data.get('format')!r}, expected {REFERENCE_FORMAT!r}")
+            refs = tuple((tuple(map(int, e["prompt_ids"])), tuple(map(int, e["output_ids"])))
+                         for e in data["references"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"--controlled-acceptance {path}: not a reference file ({exc})") from exc
+        return cls(refs, acceptance, seed)
+
+    @staticmethod
+    def write_references(path: str | Path, pairs: list[tuple[list[int], list[int]]]) -> None:
+        """The file `from_file` reads: each prompt with the target's mode-off continuation of it."""
+        entries = [{"prompt_ids": list(p), "output_ids": list(o)} for p, o in pairs]
+        Path(path).write_text(json.dumps({"format": REFERENCE_FORMAT, "references": entries}))
 
 
 @dataclass(frozen=True)
@@ -26,6 +61,8 @@ class EngineServiceConfig:
     max_draft_tokens: int
     tp: int
     cuda_graphs: bool = True
+    controlled: ControlledAcceptance | None = None  # drafter only: benchmarks' known acceptance
+    batch_invariant: bool = False  # batch-invariant matmuls and attention (bit-identical modes)
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
@@ -46,13 +83,36 @@ class EngineServiceConfig:
                        default=env("CUDA_GRAPHS", "1") not in ("0", "false", "no"),
                        help="capture the repeating step forwards as CUDA graphs at start-up (cuda, --tp 1; "
                             "env SPECDEC_CUDA_GRAPHS=0 turns it off)")
+        p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
+                       default=env("BATCH_INVARIANT", "0") not in ("0", "false", "no"),
+                       help="matmuls and attention with one tile shape and reduction order whatever the batch, "
+                            "so every mode gives bit-identical logits and tokens in bf16; slower, see "
+                            "BENCHMARKS.md (env SPECDEC_BATCH_INVARIANT=1)")
+        if role == "drafter":
+            g = p.add_argument_group("controlled acceptance (benchmarks only)")
+            g.add_argument("--controlled-acceptance", metavar="FILE", default=env("CONTROLLED_ACCEPTANCE"),
+                           help="reference file (prompt ids -> the target's mode-off output ids, written by "
+                                "benchmarks/): drafts propose the reference token with probability --acceptance")
+            acceptance = env("ACCEPTANCE")
+            g.add_argument("--acceptance", type=float, default=float(acceptance) if acceptance else None,
+                           help="probability in [0, 1] that a draft position proposes the target's token")
+            g.add_argument("--acceptance-seed", type=int, default=int(env("ACCEPTANCE_SEED", "0")),
+                           help="seed of the per-position keep draws")
 
     @classmethod
     def from_args(cls, a: argparse.Namespace, role: str, model_dir: Path) -> EngineServiceConfig:
         if a.tp < 1:
             raise SystemExit("--tp must be at least 1")
+        controlled = None
+        reference_file, acceptance = getattr(a, "controlled_acceptance", None), getattr(a, "acceptance", None)
+        if reference_file:
+            if acceptance is None:
+                raise SystemExit("--controlled-acceptance needs --acceptance A (0..1)")
+            controlled = ControlledAcceptance.from_file(reference_file, acceptance, a.acceptance_seed)
+        elif acceptance is not None:
+            raise SystemExit("--acceptance needs --controlled-acceptance FILE")
         return cls(role, model_dir, a.listen, a.device, a.dtype, a.max_sequences, a.max_context,
-                   a.max_draft_tokens, a.tp, a.cuda_graphs)
+                   a.max_draft_tokens, a.tp, a.cuda_graphs, controlled, a.batch_invariant)
 
 
 def add_device_arguments(p: argparse.ArgumentParser) -> None:

@@ -44,7 +44,15 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
         from drafter_svc.servicer import DrafterServicer
         from drafter_svc.warmup import warm_up
 
-        engine = DrafterEngine(runner, cfg.max_sequences, cfg.max_context)
+        if cfg.controlled is None:
+            engine = DrafterEngine(runner, cfg.max_sequences, cfg.max_context)
+        else:  # benchmarks: known acceptance, real draft cost
+            from drafter_svc.controlled import ControlledAcceptanceDrafter
+
+            log.warning("controlled acceptance: drafts are rewritten towards reference outputs (benchmarks only)",
+                        acceptance=cfg.controlled.acceptance, seed=cfg.controlled.seed,
+                        references=len(cfg.controlled.references))
+            engine = ControlledAcceptanceDrafter(runner, cfg.max_sequences, cfg.max_context, cfg.controlled)
         info.max_context = engine.max_context
         servicer = DrafterServicer(engine, info, log, executor)
         register = lambda server: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)  # noqa: E731
@@ -55,10 +63,11 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
         loop = asyncio.get_running_loop()
         try:
             if cfg.cuda_graphs and cfg.device == "cuda" and cfg.tp == 1:
-                # Chains and trees of up to max_draft_tokens nodes plus the root; a drafter feeds one token.
-                lens = (1,) if cfg.role == "drafter" else tuple(
-                    n for n in DEFAULT_QUERY_LENS if n <= cfg.max_draft_tokens + 1)
-                await loop.run_in_executor(executor, runner.capture_cuda_graphs, cfg.max_sequences, lens, log)
+                if cfg.role == "drafter":  # catch-up feeds and whole greedy chains
+                    await loop.run_in_executor(executor, engine.capture_cuda_graphs, log)
+                else:  # chains and trees of up to max_draft_tokens nodes plus the root
+                    lens = tuple(n for n in DEFAULT_QUERY_LENS if n <= cfg.max_draft_tokens + 1)
+                    await loop.run_in_executor(executor, runner.capture_cuda_graphs, cfg.max_sequences, lens, log)
             log.info("warming up")
             await loop.run_in_executor(executor, warm_up, engine)
         except Exception as exc:

@@ -29,7 +29,8 @@ def serve_all(args, target: Path, draft: Path) -> int:
     limits = ["--max-sequences", str(args.max_sequences), "--max-context", str(args.max_context)]
     children: list[tuple[str, list[str], str | None]] = [
         ("verifier", [*base, "verifier", "--model", str(target), "--listen", verifier_addr, *device, *limits,
-                      "--tp", str(args.tp)], args.verifier_gpus),
+                      "--tp", str(args.tp), *(["--batch-invariant"] if args.batch_invariant else [])],
+         args.verifier_gpus),
     ]
     if not args.no_drafter:
         children.append(("drafter", [*base, "drafter", "--model", str(draft), "--listen", drafter_addr, *device, *limits],

@@ -49,7 +49,8 @@ def _init(cfg: EngineServiceConfig, rank: int, port: int) -> torch.device:
 def build_runner(cfg: EngineServiceConfig, log) -> ModelRunner:
     dtype = DTYPES[cfg.dtype]
     if cfg.tp == 1:
-        return ModelRunner(load_model(cfg.model_dir, dtype, _rank_device(cfg, 0)))
+        return ModelRunner(load_model(cfg.model_dir, dtype, _rank_device(cfg, 0),
+                                      batch_invariant=cfg.batch_invariant))
     if cfg.device == "cuda" and torch.cuda.device_count() < cfg.tp:
         raise SystemExit(f"--tp {cfg.tp} needs {cfg.tp} GPUs; {torch.cuda.device_count()} are visible")
     port = _free_port()
@@ -62,7 +63,8 @@ def build_runner(cfg: EngineServiceConfig, log) -> ModelRunner:
     threading.Thread(target=_watch_workers, args=(workers, stopping, log), daemon=True).start()
     device = _init(cfg, 0, port)
     log.info("tensor parallel group ready", world=cfg.tp, backend=dist.get_backend())
-    leader = TPLeader(load_model(cfg.model_dir, dtype, device, rank=0, world=cfg.tp))
+    leader = TPLeader(load_model(cfg.model_dir, dtype, device, rank=0, world=cfg.tp,
+                                 batch_invariant=cfg.batch_invariant))
     leader.stopping = stopping
     return leader
 
@@ -88,7 +90,8 @@ def _worker_main(cfg: EngineServiceConfig, rank: int, port: int, leader_pid: int
     log = configure_logging(f"{cfg.role}-rank{rank}")
     threading.Thread(target=_watch_leader, args=(leader_pid, log), daemon=True).start()
     device = _init(cfg, rank, port)
-    runner = ModelRunner(load_model(cfg.model_dir, DTYPES[cfg.dtype], device, rank=rank, world=cfg.tp))
+    runner = ModelRunner(load_model(cfg.model_dir, DTYPES[cfg.dtype], device, rank=rank, world=cfg.tp,
+                                    batch_invariant=cfg.batch_invariant))
     try:
         follow(runner)
     finally:

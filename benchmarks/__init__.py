@@ -1,0 +1,1 @@
+"""One-command GPU benchmark suite: `python -m benchmarks.run --device cuda` (see run.py)."""

@@ -1,0 +1,107 @@
+"""The benchmark suite end to end on tiny random models (CPU): in-process and through the gateway,
+the controlled-acceptance drafter gives exactly the acceptance asked for at a = 0 (every first
+draft token rejected) and a = 1 (every draft token accepted), every mode reproduces mode off's
+tokens, and the report section lands between its markers."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not an installed package
+
+from benchmarks import report, run  # noqa: E402
+from benchmarks.grid import CONFIGS  # noqa: E402
+
+CONFIG_NAMES = ["off", "chain k=2", "chain k=2 no-overlap", "tree topk=2"]
+
+
+def test_tiny_suite_controls_acceptance_losslessly(tmp_path):
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text(f"# Benchmarks\n\nkept above\n\n{report.BEGIN}\nold section\n{report.END}\n\nkept below\n")
+    results = run.main([
+        "--device", "cpu", "--tiny", "--parts", "inprocess", "gateway", "--acceptance", "0", "1",
+        "--concurrency", "1", "2", "--configs", *CONFIG_NAMES, "--max-new-tokens", "8",
+        "--out-dir", str(tmp_path / "out"), "--report", str(md), "--ckpt-dir", str(tmp_path / "ckpt"),
+        "--work-dir", str(tmp_path / "work"),
+    ])
+    rows = json.loads(results.read_text())["rows"]
+    cells = {(r["path"], r["config"], r["concurrency"], r["acceptance"]) for r in rows}
+    assert len(cells) == len(rows) == 2 * (2 + 2 * 2 * 3)  # paths x (off per C + a x C x speculative)
+
+    for r in rows:
+        what = f"{r['path']} {r['config']} C={r['concurrency']} a={r['acceptance']}"
+        assert r["tok_s"] > 0 and r["steps"] > 0, what
+        if r["config"] == "off":
+            assert r["drafted"] == 0 and r["accept_len"] == 1.0, what
+            continue
+        cfg = CONFIGS[r["config"]]
+        assert r["same_as_off"] == 1.0, f"{what}: tokens differ from mode off"  # lossless
+        assert r["drafted"] > 0, what
+        if r["acceptance"] == 0:  # every first draft token rejected
+            assert r["accepted"] == 0 and r["accept_len"] == 1.0, what
+            if cfg.mode == "chain" and cfg.overlap:
+                assert r["overlap_hit"] == 0.0, what
+        elif cfg.mode == "chain":  # a = 1: the whole chain, every step
+            assert r["accepted"] == r["drafted"] and r["accept_len"] == cfg.k + 1, what
+            if cfg.overlap:
+                assert r["overlap_hit"] == 1.0, what
+        else:  # a = 1, tree: the whole path to its deepest node (the planted draft head fills every depth)
+            assert r["accepted"] == r["steps"] * cfg.depth and r["accept_len"] == cfg.depth + 1, what
+            if r["path"] == "in-process":
+                assert r["min_step_accepted"] == cfg.depth and r["draft_depth"] == cfg.depth, what
+
+    text = md.read_text()
+    assert "old section" not in text and text.count(report.BEGIN) == 1
+    assert text.startswith("# Benchmarks\n\nkept above\n") and text.rstrip().endswith("kept below")
+    section = text.split(report.BEGIN)[1].split(report.END)[0]
+    assert "share the one GPU" in section and "| 1 | chain k=2 |" in section
+    assert (tmp_path / "out" / "section.md").exists()
+
+
+def test_controlled_drafter_keeps_each_position_with_probability_a(checkpoints, tmp_path):
+    """Keep rate near a on chains; an overlap pre-draft (assumed tokens) and a later re-draft of the
+    same positions decide alike; tree nodes off the main path never propose the reference token."""
+    import random
+
+    import torch
+
+    from drafter_svc.controlled import ControlledAcceptanceDrafter
+    from drafter_svc.types import ChainShape, DraftItem, DrafterStep, TreeShape
+    from specdec.config import ControlledAcceptance
+    from specdec.model.loader import load_model
+    from specdec.model.runner import ModelRunner
+
+    rng = random.Random(3)
+    refs = [([rng.randrange(3, 384) for _ in range(rng.randint(3, 6))], [rng.randrange(3, 384) for _ in range(40)])
+            for _ in range(8)]
+    path = tmp_path / "ref.json"
+    ControlledAcceptance.write_references(path, refs)
+    eng = ControlledAcceptanceDrafter(ModelRunner(load_model(checkpoints["llama-gqa/draft"], torch.float64,
+                                                             torch.device("cpu"))), 8, 128,
+                                      ControlledAcceptance.from_file(path, 0.6, seed=5))
+    full = [p + o for p, o in refs]
+    first = eng.step(DrafterStep(1, [DraftItem(f"s{i}", len(p) + 1, p + o[:1], [], ChainShape(16))
+                                     for i, (p, o) in enumerate(refs)])).drafts
+    kept = [t == full[i][len(refs[i][0]) + 1 + j] for i, d in enumerate(first) for j, t in enumerate(d.tree.token_ids)]
+    assert abs(sum(kept) / len(kept) - 0.6) < 0.15
+
+    # A pre-draft assuming 3 tokens (positions +3..+7), then 4 tokens committed and a re-draft
+    # (positions +4..+7, its nodes numbered differently): the same positions decide alike.
+    p0, o0 = refs[0]
+    pre = eng.step(DrafterStep(2, [DraftItem("s0", len(p0) + 1, [], o0[1:4], ChainShape(5))])).drafts[0].tree
+    redo = eng.step(DrafterStep(3, [DraftItem("s0", len(p0) + 5, o0[1:5], [], ChainShape(4))])).drafts[0].tree
+    decided = [[t == o0[5 + j] for j, t in enumerate(tokens)] for tokens in (pre.token_ids[1:], redo.token_ids)]
+    assert decided[0] == decided[1]
+
+    eng.control = ControlledAcceptance.from_file(path, 1.0)
+    tree = eng.step(DrafterStep(4, [DraftItem("t1", len(refs[1][0]) + 1, full[1][: len(refs[1][0]) + 1], [],
+                                              TreeShape(3, 3, 10))], close=["s1"])).drafts[0].tree
+    depth = [0]
+    for parent in tree.parents:
+        depth.append(depth[parent] + 1)
+    base = len(refs[1][0])  # position of the root
+    is_ref = [t == full[1][base + depth[n]] for n, t in enumerate(tree.token_ids, start=1)]
+    on_path = sum(is_ref)
+    assert on_path == max(depth)  # a = 1: the whole path to the deepest node, and nothing else
