@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from drafter_svc.chain_graphs import GraphedChains
+from drafter_svc.draft_graphs import DraftGraphs
 from drafter_svc.tree_draft import expand_trees
 from drafter_svc.types import (
     ChainShape,
@@ -48,13 +48,14 @@ class DrafterEngine:
         runner.allocate_kv(max_sequences, self.slot_len)
         self.table = SequenceTable(max_sequences, spec.vocab_size, self.max_context)
         self.max_sequences = max_sequences
-        self.chain_graphs: GraphedChains | None = None
+        self.draft_graphs: DraftGraphs | None = None
 
     def capture_cuda_graphs(self, log=None) -> None:
-        """Catch-up feeds of up to 17 tokens and whole greedy chains as graph replays (CUDA, one rank)."""
+        """Catch-up feeds of up to 17 tokens, whole greedy chains and whole trees as graph replays
+        (CUDA, one rank)."""
         self.runner.capture_cuda_graphs(self.max_sequences, DEFAULT_QUERY_LENS, log)
-        self.chain_graphs = GraphedChains(self.runner, self.max_sequences)
-        self.chain_graphs.capture(log)
+        self.draft_graphs = DraftGraphs(self.runner, self.max_sequences)
+        self.draft_graphs.capture(log)
 
     def close(self, seq_ids: list[str]) -> None:
         self.table.close_all(seq_ids)
@@ -82,7 +83,8 @@ class DrafterEngine:
         for shape in {ready[i][1].shape for i in trees}:  # one batched expansion per tree shape
             group = [i for i in trees if ready[i][1].shape == shape]
             states = [ready[i][0] for i in group]
-            drafted.update(zip(group, expand_trees(self.runner, states, shape, last_logits[group])))
+            expanded = expand_trees(self.runner, states, shape, last_logits[group], self.draft_graphs)
+            drafted.update(zip(group, expanded))
         for i, (s, it) in enumerate(ready):
             result.drafts.append(Draft(s.seq_id, len(s.tokens), len(it.assumed_ids), drafted[i]))
         return result
@@ -146,7 +148,7 @@ class DrafterEngine:
         kv_len = min(max(starts) + n, self.slot_len)
         batch = ForwardBatch.build(tokens, pos, slots, pos, start, causal_region(lengths, n), kv_len=kv_len)
         last = (lengths - 1)[:, None]
-        if self.chain_graphs is not None and n <= max(DEFAULT_QUERY_LENS):  # all positions, by graph replay
+        if self.draft_graphs is not None and n <= max(DEFAULT_QUERY_LENS):  # all positions, by graph replay
             rows = torch.arange(len(states), device=self.device)
             return self.runner.forward(batch)[rows, lengths - 1]
         return self.runner.forward(batch, logit_index=last)[:, 0]
@@ -167,7 +169,7 @@ class DrafterEngine:
         written = [len(s.kv_tokens) for s in states]
         pos = upload_list(written, self.device)  # next write position
         sampling = not all(p.greedy for p in params)
-        graphed = None if sampling or self.chain_graphs is None else self.chain_graphs.run(logits, pos, slots, steps)
+        graphed = None if sampling or self.draft_graphs is None else self.draft_graphs.chain(logits, pos, slots, steps)
         if graphed is not None:
             tok_rows, lp_rows = graphed[0].tolist(), graphed[1].tolist()
             return self._chains(states, ks, steps, tok_rows, lp_rows, None, params)

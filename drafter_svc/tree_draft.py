@@ -23,13 +23,25 @@ def expand_trees(
     states: list[SequenceState],
     shape: TreeShape,
     root_logits: torch.Tensor,  # [B, V] next-token logits after each context
+    graphs=None,                # DraftGraphs: the expansion as one replay when a graph fits
 ) -> list[DraftTree]:
     device = root_logits.device
-    b, k = root_logits.shape[0], shape.topk
     kv_lens = [len(s.kv_tokens) for s in states]
     ctx_len = upload_list(kv_lens, device)                      # [B]
     slots = upload_list([s.slot for s in states], device)
+    out = graphs.tree(root_logits, ctx_len, slots, shape) if graphs is not None else None
+    if out is None:
+        out = expand(runner.forward, root_logits, ctx_len, slots, shape, max(kv_lens))
+    return to_trees(*out)
 
+
+def expand(forward, root_logits: torch.Tensor, ctx_len: torch.Tensor, slots: torch.Tensor, shape: TreeShape,
+           max_ctx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The expansion and selection as tensor work only (no host reads: CUDA graphs capture it).
+    forward: ForwardBatch -> logits [B, n, V]; max_ctx: the longest context (host-known) ->
+    tokens, parent nodes (0 = root), log-probabilities, each [B, budget]."""
+    device = root_logits.device
+    b, k = root_logits.shape[0], shape.topk
     scores, tokens = torch.log_softmax(root_logits, -1).topk(k, dim=-1)  # [B, k]
     cand_tokens, cand_scores = [tokens], [scores]
     cand_parents = [torch.full((b, k), -1, dtype=torch.long, device=device)]  # -1 = the root
@@ -59,8 +71,8 @@ def expand_trees(
         write_pos = ctx_len[:, None] + n_fed + torch.arange(k, device=device)
         region = fed_ancestors[:, -k:, :]  # the frontier's rows: [B, k, n_fed + k]
         batch = ForwardBatch.build(front_tokens, positions, slots, write_pos, ctx_len, region,
-                                   kv_len=max(kv_lens) + n_fed + k)
-        logp = torch.log_softmax(runner.forward(batch), -1)                      # [B, k, V]
+                                   kv_len=max_ctx + n_fed + k)
+        logp = torch.log_softmax(forward(batch), -1)                             # [B, k, V]
         child_logp, child_tok = logp.topk(k, dim=-1)                           # [B, k, k]
         child_scores = front_scores[:, :, None] + child_logp
         cand_tokens.append(child_tok.reshape(b, k * k))
@@ -77,7 +89,7 @@ def expand_trees(
     )
 
 
-def _select(tokens, parents, scores, logps, budget: int) -> list[DraftTree]:
+def _select(tokens, parents, scores, logps, budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Keep the `budget` best candidates; renumber them as nodes 1..budget in creation order."""
     b, c = tokens.shape
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :budget]
@@ -86,7 +98,9 @@ def _select(tokens, parents, scores, logps, budget: int) -> list[DraftTree]:
     node_of.scatter_(1, chosen, torch.arange(1, budget + 1, device=tokens.device).expand(b, budget))
     parent_cand = torch.gather(parents, 1, chosen)
     parent_node = torch.where(parent_cand >= 0, torch.gather(node_of, 1, parent_cand.clamp(min=0)), 0)
-    tok_rows = torch.gather(tokens, 1, chosen).tolist()
-    par_rows = parent_node.tolist()
-    lp_rows = torch.gather(logps, 1, chosen).tolist()
-    return [DraftTree(t, p, lp) for t, p, lp in zip(tok_rows, par_rows, lp_rows)]
+    return torch.gather(tokens, 1, chosen), parent_node, torch.gather(logps, 1, chosen)
+
+
+def to_trees(tokens: torch.Tensor, parents: torch.Tensor, logps: torch.Tensor) -> list[DraftTree]:
+    """[B, budget] tensors -> one DraftTree per row (the step's host read)."""
+    return [DraftTree(t, p, lp) for t, p, lp in zip(tokens.tolist(), parents.tolist(), logps.tolist())]

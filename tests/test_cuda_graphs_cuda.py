@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_chain_graphs import check_drafts, drafter
+from test_draft_graphs import check_drafts, drafter
 from test_cuda_graphs import check_logits, check_padded_steps, engines
 
 from specdec.model.cuda_graphs import GraphedForward

@@ -1,6 +1,6 @@
 """Drafter graphs, checked on the CPU: catch-up feeds through the graphed forward (padded to the
-captured query lengths and batch buckets) and greedy chains through the captured chain loop
-(padded rows drafting into the scratch slot). Here "replay" runs the same eager code on the
+captured query lengths and batch buckets), greedy chains and tree expansions through the
+captured draft loops (padded rows drafting into the scratch slot). Here "replay" runs the same eager code on the
 static buffers, so any difference from the plain engine is the padding's or the buffers' fault:
 over random steps of several sequences (misses, partial and full acceptance, overlap
 pre-drafts, sequences opening and closing) every draft must be identical.
@@ -12,20 +12,26 @@ import random
 
 import torch
 
-from drafter_svc.chain_graphs import GraphedChains, _Chain
+from drafter_svc.draft_graphs import DraftGraphs, _Captured
 from drafter_svc.engine import DrafterEngine
-from drafter_svc.types import ChainShape, DraftItem, DrafterStep
+from drafter_svc.types import ChainShape, DraftItem, DrafterStep, TreeShape
 from specdec.model.loader import load_model
 from specdec.model.runner import ModelRunner
 from test_cuda_graphs import EagerGraphs
 
 
-class EagerChains(GraphedChains):
-    def _capture_one(self, b: int, s: int) -> _Chain:
-        return self._new_chain(b, s)
+class EagerDrafts(DraftGraphs):
+    replayed: set = set()  # keys replayed, over all instances
 
-    def _replay(self, chain: _Chain) -> None:
-        self._draft(chain)
+    def _capture_one(self, b: int, key) -> _Captured:
+        return self._new(b, key)
+
+    def _replay(self, c: _Captured) -> None:
+        self.replayed.add(c.key)
+        self._body(c)
+
+
+TREES = (TreeShape(2, 3, 5), TreeShape(3, 3, 8))  # the first captured, the second eager
 
 
 def drafter(path, graphed: bool, device: str = "cpu", dtype=torch.float64) -> DrafterEngine:
@@ -38,8 +44,8 @@ def drafter(path, graphed: bool, device: str = "cpu", dtype=torch.float64) -> Dr
                                     runner.cache.num_slots - 1, runner.cache.slot_len, runner.device,
                                     (1, 2, 4, 5), (1, 2, 5, 9), dtype)
         runner.graphs.capture()
-        engine.chain_graphs = EagerChains(runner, 5, lengths=(2, 3, 5))
-        engine.chain_graphs.capture()
+        engine.draft_graphs = EagerDrafts(runner, 5, chain_lengths=(2, 3, 5), tree_shapes=TREES[:1])
+        engine.draft_graphs.capture()
     return engine
 
 
@@ -47,6 +53,7 @@ def test_graphed_drafts_equal_eager_drafts(checkpoints, monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     path = checkpoints["llama-gqa"]
     check_drafts(drafter(path, False), drafter(path, True), tol=1e-9)
+    assert {TREES[0], 2, 3, 5} <= EagerDrafts.replayed  # the captured loops really ran
 
 
 def check_drafts(eager: DrafterEngine, graphed: DrafterEngine, tol: float) -> None:
@@ -63,7 +70,10 @@ def check_drafts(eager: DrafterEngine, graphed: DrafterEngine, tol: float) -> No
                 continue
             ctx = contexts[sid]
             assumed = [rng.randrange(380) for _ in range(rng.choice([0, 0, 1, 3]))]
-            items.append(DraftItem(sid, len(ctx), ctx[sent[sid]:], assumed, ChainShape(rng.choice([1, 2, 3, 5]))))
+            shape = rng.choice([ChainShape(1), ChainShape(2), ChainShape(3), ChainShape(5), *TREES])
+            if isinstance(shape, TreeShape):
+                assumed = []  # trees are drafted synchronously: nothing is assumed
+            items.append(DraftItem(sid, len(ctx), ctx[sent[sid]:], assumed, shape))
             sent[sid] = len(ctx)
         if not items:
             continue
@@ -72,7 +82,9 @@ def check_drafts(eager: DrafterEngine, graphed: DrafterEngine, tol: float) -> No
         for w, g in zip(want.drafts, got.drafts):
             assert g.tree.token_ids == w.tree.token_ids, f"step {step} {w.seq_id}"
             assert max(abs(a - b) for a, b in zip(g.tree.logprobs, w.tree.logprobs)) < tol
-            kept = w.tree.token_ids[: rng.randrange(len(w.tree.token_ids) + 1)]
+            assert g.tree.parents == w.tree.parents
+            kept = w.tree.token_ids[: rng.randrange(len(w.tree.token_ids) + 1)] if len(w.tree) and all(
+                p == i for i, p in enumerate(w.tree.parents)) else []
             contexts[w.seq_id] += kept + [rng.randrange(380)]
         replays += 1
         done = [sid for sid, ctx in contexts.items() if len(ctx) > 80]
