@@ -20,6 +20,11 @@ class IncrementalDetokenizer:
         self.tokens_used = 0  # tokens of the last add() consumed before a stop string ended it
 
     def _decode(self, ids: list[int]) -> str:
+        # A fast tokenizer's Rust backend directly: the same text, without ~4 us of Python wrapping
+        # per call (two calls per token per sequence add up at high concurrency).
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            return backend.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def add(self, new_ids: list[int]) -> tuple[str, bool]:
