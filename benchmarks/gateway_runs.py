@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from benchmarks.models import REPO, EngineSettings, ModelPair
 
 sys.path.insert(0, str(REPO / "tests"))
 
-from cluster import free_port, request, wait_serving  # noqa: E402
+from cluster import free_port, request, stop_all, wait_serving  # noqa: E402
 
 from specdec.rpc import gateway_pb2_grpc  # noqa: E402
 
@@ -75,14 +74,7 @@ class Services:
         return "\n".join(f"  {name}| {line}" for line in text[-lines:])
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(list(self.procs.values()), timeout=30)
         self.procs.clear()
         for log in self.logs:
             log.close()

@@ -147,11 +147,10 @@ class DrafterEngine:
         slots = self.table.slots(states, self.device)
         kv_len = min(max(starts) + n, self.slot_len)
         batch = ForwardBatch.build(tokens, pos, slots, pos, start, causal_region(lengths, n), kv_len=kv_len)
-        last = (lengths - 1)[:, None]
         if self.draft_graphs is not None and n <= max(DEFAULT_QUERY_LENS):  # all positions, by graph replay
             rows = torch.arange(len(states), device=self.device)
             return self.runner.forward(batch)[rows, lengths - 1]
-        return self.runner.forward(batch, logit_index=last)[:, 0]
+        return self.runner.forward(batch, logit_index=(lengths - 1)[:, None])[:, 0]
 
     def _in_slot(self, write_pos: torch.Tensor) -> torch.Tensor:
         """Write positions clamped into the KV slot. Only padding goes past it (a short feed

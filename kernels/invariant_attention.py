@@ -28,6 +28,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from kernels.attention_parts import fold_chunks, online_softmax_block, split_buffers, store_rows
+
 MAX_SPLIT_TOKENS = 65  # the largest verify step: a 64-node tree and its root
 
 
@@ -64,7 +66,7 @@ if HAVE_TRITON:
         G: tl.constexpr = H // HKV
         r = tl.arange(0, BLOCK_M)
         row_ok = r < G
-        head = kvh * G + r
+        row_id = (b * n + token) * H + kvh * G + r  # this token's query heads of KV head kvh
         prefix = tl.load(prefix_len + b)
         seen = prefix + tl.load(depths + b * n + token)  # logical keys 0 .. seen-1
         lo = chunk * CHUNK
@@ -74,8 +76,7 @@ if HAVE_TRITON:
             hi = seen
         if lo < hi:
             dims = tl.arange(0, D)
-            q_tile = tl.load(q + ((b * n + token) * H + head[:, None]) * D + dims[None, :], mask=row_ok[:, None],
-                             other=0.0)
+            q_tile = tl.load(q + row_id[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
             base = ((layer * n_slots + tl.load(slots + b)) * slot_len) * HKV * D + kvh * D
             path = paths + (b * n + token) * R
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -90,53 +91,9 @@ if HAVE_TRITON:
                 kv_off = base + phys[:, None] * HKV * D + dims[None, :]
                 k_tile = tl.load(k + kv_off, mask=valid[:, None], other=0.0)
                 v_tile = tl.load(v + kv_off, mask=valid[:, None], other=0.0)
-                if FP32:
-                    s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee")
-                else:
-                    s = tl.dot(q_tile, tl.trans(k_tile))
-                s = tl.where(valid[None, :] & row_ok[:, None], s * sm_scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp(s - m_safe[:, None])
-                alpha = tl.exp(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                if FP32:
-                    acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile)
-                m_i = m_new
-            if SPLIT:
-                part = ((b * n + token) * H + head) * n_chunks + chunk
-                tl.store(part_m + part, m_i, mask=row_ok)
-                tl.store(part_l + part, l_i, mask=row_ok)
-                tl.store(part_acc + part[:, None] * D + dims[None, :], acc, mask=row_ok[:, None])
-            else:
-                o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-                tl.store(out + ((b * n + token) * H + head[:, None]) * D + dims[None, :],
-                         o.to(out.dtype.element_ty), mask=row_ok[:, None])
-
-    @triton.jit(do_not_specialize=["n", "n_chunks"])
-    def _fold_kernel(out, part_m, part_l, part_acc, prefix_len, depths, n, n_chunks, H: tl.constexpr,
-                     D: tl.constexpr, CHUNK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)  # (b * n + token) * H + head
-        bt = row // H
-        used = tl.cdiv(tl.load(prefix_len + bt // n) + tl.load(depths + bt), CHUNK)
-        dims = tl.arange(0, D)
-        m_run = float("-inf")
-        l_run = 0.0
-        acc = tl.zeros([D], tl.float32)
-        for c in range(0, used):
-            m_c = tl.load(part_m + row * n_chunks + c)
-            l_c = tl.load(part_l + row * n_chunks + c)
-            a_c = tl.load(part_acc + (row * n_chunks + c) * D + dims)
-            m_new = tl.maximum(m_run, m_c)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            old, new = tl.exp(m_run - m_safe), tl.exp(m_c - m_safe)
-            l_run = l_run * old + l_c * new
-            acc = acc * old + a_c * new
-            m_run = m_new
-        o = acc / tl.where(l_run > 0, l_run, 1.0)
-        tl.store(out + row * D + dims, o.to(out.dtype.element_ty))
+                visible = valid[None, :] & row_ok[:, None]
+                m_i, l_i, acc = online_softmax_block(q_tile, k_tile, v_tile, visible, m_i, l_i, acc, sm_scale, FP32)
+            store_rows(out, part_m, part_l, part_acc, row_id, row_ok, chunk, n_chunks, m_i, l_i, acc, D, SPLIT)
 
     def invariant_attention_triton(q, k_cache, v_cache, layer, slots, prefix_len, region_mask,
                                    paths_depths: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -150,12 +107,7 @@ if HAVE_TRITON:
         split = n <= MAX_SPLIT_TOKENS
         chunk = chunk_len(slot_len)
         n_chunks = triton.cdiv(slot_len, chunk) if split else 1
-        if split:
-            part_m = q.new_empty(b, n, h, n_chunks, dtype=torch.float32)
-            part_l = torch.empty_like(part_m)
-            part_acc = q.new_empty(b, n, h, n_chunks, d, dtype=torch.float32)
-        else:
-            part_m = part_l = part_acc = out  # unused
+        part_m, part_l, part_acc = split_buffers(q, n_chunks) if split else (out, out, out)  # else unused
         q, slots, prefix_len = q.contiguous(), slots.contiguous(), prefix_len.contiguous()
         _attention_kernel[(b, hkv, n * n_chunks)](
             q, k_cache, v_cache, out, part_m, part_l, part_acc, slots, prefix_len, paths, depths, layer, n, r,
@@ -164,6 +116,5 @@ if HAVE_TRITON:
             FP32=q.dtype == torch.float32,
         )
         if split:
-            _fold_kernel[(b * n * h,)](out, part_m, part_l, part_acc, prefix_len, depths, n, n_chunks, H=h, D=d,
-                                       CHUNK=chunk)
+            fold_chunks(out, part_m, part_l, part_acc, prefix_len, depths, n, r, chunk)
         return out

@@ -31,6 +31,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from kernels.attention_parts import fold_chunks, online_softmax_block, split_buffers, store_rows
     from kernels.invariant_attention import invariant_attention_triton
 
 
@@ -76,6 +77,7 @@ if HAVE_TRITON:
         token = rows // G
         head = kvh * G + rows % G
         row_ok = token < n
+        row_id = (b * n + token) * H + head
         slot = tl.load(slots + b)
         prefix = tl.load(prefix_len + b)
         lo = chunk * CHUNK
@@ -85,8 +87,7 @@ if HAVE_TRITON:
             hi = prefix + R
         if lo < hi:
             dims = tl.arange(0, D)
-            q_tile = tl.load(q + ((b * n + token[:, None]) * H + head[:, None]) * D + dims[None, :],
-                             mask=row_ok[:, None], other=0.0)
+            q_tile = tl.load(q + row_id[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
             base = ((layer * n_slots + slot) * slot_len) * HKV * D + kvh * D
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -97,59 +98,13 @@ if HAVE_TRITON:
                 kv_off = base + pos[:, None] * HKV * D + dims[None, :]
                 k_tile = tl.load(k + kv_off, mask=in_cache[:, None], other=0.0)
                 v_tile = tl.load(v + kv_off, mask=in_cache[:, None], other=0.0)
-                if FP32:
-                    s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee")
-                else:
-                    s = tl.dot(q_tile, tl.trans(k_tile))
-                s = s * sm_scale
                 rel = pos - prefix
                 in_region = (rel >= 0) & (rel < R)
                 allowed = tl.load(region + (b * n + token[:, None]) * R + rel[None, :],
                                   mask=row_ok[:, None] & in_region[None, :], other=0) != 0
-                visible = ((pos[None, :] < prefix) | allowed) & in_cache[None, :]
-                s = tl.where(visible & row_ok[:, None], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp(s - m_safe[:, None])
-                alpha = tl.exp(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                if FP32:
-                    acc = acc * alpha[:, None] + tl.dot(p, v_tile, input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile)
-                m_i = m_new
-            if SPLIT:  # partial [B, n, H, n_chunks (, D)]: combined by _combine_kernel
-                part = ((b * n + token) * H + head) * n_chunks + chunk
-                tl.store(part_m + part, m_i, mask=row_ok)
-                tl.store(part_l + part, l_i, mask=row_ok)
-                tl.store(part_acc + part[:, None] * D + dims[None, :], acc, mask=row_ok[:, None])
-            else:
-                o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-                tl.store(out + ((b * n + token[:, None]) * H + head[:, None]) * D + dims[None, :],
-                         o.to(out.dtype.element_ty), mask=row_ok[:, None])
-
-    @triton.jit(do_not_specialize=["n", "R", "n_chunks"])
-    def _combine_kernel(out, part_m, part_l, part_acc, prefix_len, n, R, n_chunks, H: tl.constexpr,
-                        D: tl.constexpr, CHUNK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)  # (b * n + token) * H + head
-        b = row // (n * H)
-        used = tl.cdiv(tl.load(prefix_len + b) + R, CHUNK)  # chunks that wrote a partial
-        dims = tl.arange(0, D)
-        m_run = float("-inf")
-        l_run = 0.0
-        acc = tl.zeros([D], tl.float32)
-        for c in range(0, used):
-            m_c = tl.load(part_m + row * n_chunks + c)
-            l_c = tl.load(part_l + row * n_chunks + c)
-            a_c = tl.load(part_acc + (row * n_chunks + c) * D + dims)
-            m_new = tl.maximum(m_run, m_c)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            old, new = tl.exp(m_run - m_safe), tl.exp(m_c - m_safe)
-            l_run = l_run * old + l_c * new
-            acc = acc * old + a_c * new
-            m_run = m_new
-        o = acc / tl.where(l_run > 0, l_run, 1.0)
-        tl.store(out + row * D + dims, o.to(out.dtype.element_ty))
+                visible = ((pos[None, :] < prefix) | allowed) & in_cache[None, :] & row_ok[:, None]
+                m_i, l_i, acc = online_softmax_block(q_tile, k_tile, v_tile, visible, m_i, l_i, acc, sm_scale, FP32)
+            store_rows(out, part_m, part_l, part_acc, row_id, row_ok, chunk, n_chunks, m_i, l_i, acc, D, SPLIT)
 
     @functools.cache
     def _sm_count(device: torch.device) -> int:
@@ -179,12 +134,7 @@ if HAVE_TRITON:
         else:
             chunk = split_chunks(slot_len, 0 if split else programs, programs)
         n_chunks = triton.cdiv(slot_len, chunk) if chunk else 1
-        if chunk:
-            part_m = q.new_empty(b, n, h, n_chunks, dtype=torch.float32)
-            part_l = torch.empty_like(part_m)
-            part_acc = q.new_empty(b, n, h, n_chunks, d, dtype=torch.float32)
-        else:
-            part_m = part_l = part_acc = out  # unused
+        part_m, part_l, part_acc = split_buffers(q, n_chunks) if chunk else (out, out, out)  # else unused
         q, slots, prefix_len = q.contiguous(), slots.contiguous(), prefix_len.contiguous()
         region = region_mask.contiguous().view(torch.int8)  # bool is one byte: a view, no kernel
         _tree_attention_kernel[(b, hkv, row_blocks * n_chunks)](
@@ -193,6 +143,5 @@ if HAVE_TRITON:
             CHUNK=chunk or 64, SPLIT=bool(chunk), FP32=q.dtype == torch.float32,
         )
         if chunk:
-            _combine_kernel[(b * n * h,)](out, part_m, part_l, part_acc, prefix_len, n, r, n_chunks, H=h, D=d,
-                                          CHUNK=chunk)
+            fold_chunks(out, part_m, part_l, part_acc, prefix_len, None, n, r, chunk)
         return out

@@ -25,6 +25,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_all(procs, timeout: float) -> None:
+    """SIGTERM every running process, then wait for each; SIGKILL what outlives `timeout`."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def wait_serving(address: str, timeout: float = START_TIMEOUT, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as ch:
@@ -104,14 +116,7 @@ class Cluster:
         self.procs[name].wait()
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(self.procs.values(), timeout=15)
 
     def info(self, name: str) -> common_pb2.ServiceInfo:
         stub_cls = verifier_pb2_grpc.VerifierStub if name.startswith("verifier") else drafter_pb2_grpc.DrafterStub
