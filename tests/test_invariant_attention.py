@@ -5,7 +5,6 @@ scattered region positions among siblings, beside other sequences."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
