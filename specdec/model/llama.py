@@ -23,14 +23,16 @@ from specdec.model.spec import ModelSpec
 class Attention(nn.Module):
     """Self-attention over this rank's heads; o_proj is row-parallel (all-reduced by the caller)."""
 
-    def __init__(self, spec: ModelSpec, layout: TPLayout, layer_idx: int) -> None:
+    def __init__(self, spec: ModelSpec, layout: TPLayout, layer_idx: int, in_features: int | None = None) -> None:
+        """in_features: what q, k and v read (default the hidden size; an EAGLE-3 head reads twice that)."""
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = layout.heads, layout.kv_heads, spec.head_dim
         h = spec.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
+        d_in = in_features or h
+        self.q_proj = nn.Linear(d_in, self.num_heads * self.head_dim, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(d_in, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(d_in, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=spec.o_bias)
         self.batch_invariant = False
 

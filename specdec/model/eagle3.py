@@ -1,0 +1,141 @@
+"""EAGLE-3 draft head: one decoder layer that drafts from the target model's own hidden states.
+
+Layout of the checkpoints the EAGLE-3 authors publish (e.g. for Llama-3.1-8B-Instruct), which
+this module loads as is: config.json of a one-layer Llama plus `draft_vocab_size` (and optionally
+`target_hidden_size`, `eagle_config.eagle_aux_hidden_state_layer_ids`, `norm_before_residual`);
+weights `fc` (3 x target hidden -> hidden), `midlayer.{input_layernorm, hidden_norm,
+self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj}`, `norm`, `lm_head`
+(hidden -> draft vocabulary), `d2t` (draft id -> target id offset) and `t2d` (which target ids
+the draft vocabulary holds). The token embeddings are the target's.
+
+One step of the head, for a token x_t+1 and a hidden state h_t (the target's three captured
+states concatenated and projected by `fc`, or the head's own previous output when it drafts on):
+
+    a = attention(concat(input_layernorm(embed(x)), hidden_norm(h)))   # q/k/v read 2 x hidden
+    h' = h + a;  out = h' + mlp(post_attention_layernorm(h'))
+    draft logits = lm_head(norm(out));  target id = draft id + d2t[draft id]
+
+`out` is the hidden state the next draft position feeds back in. The head's KV cache is its own
+(one layer), addressed like the target's (ForwardBatch).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from kernels.triton_support import use_triton
+from specdec.model.batch import ForwardBatch
+from specdec.model.kv_cache import KVCache
+from specdec.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from specdec.model.llama import Attention
+from specdec.model.parallel import TPLayout
+from specdec.model.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Eagle3Spec:
+    layer: ModelSpec                 # the mid-layer's shape (hidden size, heads, RoPE, vocabulary)
+    target_hidden_size: int
+    draft_vocab_size: int
+    aux_layers: tuple[int, ...]      # target layers whose input hidden states are captured, in order
+    norm_before_residual: bool       # the residual is the normed hidden state (some trainers' variant)
+
+    @classmethod
+    def from_pretrained(cls, head_dir: str | Path, target: ModelSpec) -> Eagle3Spec:
+        raw = json.loads((Path(head_dir) / "config.json").read_text())
+        layer = ModelSpec.from_pretrained(head_dir)
+        if layer.num_layers != 1:
+            raise ValueError(f"an EAGLE-3 head has one decoder layer; {head_dir} declares {layer.num_layers}")
+        if layer.vocab_size != target.vocab_size:
+            raise ValueError(f"EAGLE-3 head vocabulary {layer.vocab_size} != target vocabulary {target.vocab_size}")
+        aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(
+            target.num_layers)
+        return cls(layer, int(raw.get("target_hidden_size") or target.hidden_size),
+                   int(raw.get("draft_vocab_size") or layer.vocab_size), tuple(int(i) for i in aux),
+                   bool(raw.get("norm_before_residual", False)))
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """Low, middle and high: the inputs of layers 2, L/2 and L-3 (what the EAGLE-3 authors use)."""
+    return 2, num_layers // 2, num_layers - 3
+
+
+class MidLayer(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        h = spec.hidden_size
+        self.self_attn = Attention(spec, TPLayout.single(spec), 0, in_features=2 * h)
+        self.mlp = GatedMLP(h, spec.intermediate_size, spec.mlp_bias)
+        self.input_layernorm = RMSNorm(h, spec.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, spec: Eagle3Spec) -> None:
+        super().__init__()
+        h = spec.layer.hidden_size
+        self.spec = spec
+        self.fc = nn.Linear(len(spec.aux_layers) * spec.target_hidden_size, h, bias=False)
+        self.midlayer = MidLayer(spec.layer)
+        self.norm = RMSNorm(h, spec.layer.rms_norm_eps)
+        self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(spec.layer.vocab_size, dtype=torch.bool))
+        self.rotary = RotaryEmbedding(*spec.layer.rope_inv_freq())
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: KVCache, embeds: torch.Tensor,
+                hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeds [B, n, h] (the target's embeddings of batch.tokens); hidden [B, n, 3 x target h]
+        (captured target states, projected by fc) or [B, n, h] (the head's own previous outputs)
+        -> (draft-vocabulary logits [B, n, Vd] in fp32 or wider, hidden out [B, n, h])."""
+        if hidden.shape[-1] != self.spec.layer.hidden_size:
+            hidden = self.fc(hidden)
+        layer = self.midlayer
+        normed = layer.hidden_norm(hidden)
+        residual = normed if self.spec.norm_before_residual else hidden
+        x = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)          # [B, n, 2h]
+        cos, sin = self.rotary(batch.positions, x.dtype)
+        mask = None if use_triton(x) else batch.attention_mask()  # the Triton kernel masks on the fly
+        h = residual + layer.self_attn(x, cos, sin, batch, mask, cache)
+        out = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits = self.lm_head(self.norm(out))
+        return logits.to(torch.promote_types(logits.dtype, torch.float32)), out
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
+def load_eagle3(head_dir: str | Path, target: ModelSpec, dtype: torch.dtype, device: torch.device) -> Eagle3Head:
+    """A head saved in the published layout (model.safetensors or pytorch_model.bin)."""
+    head_dir = Path(head_dir)
+    spec = Eagle3Spec.from_pretrained(head_dir, target)
+    files = sorted(head_dir.glob("*.safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    if not files:
+        bins = sorted(head_dir.glob("*.bin"))
+        if not bins:
+            raise FileNotFoundError(f"no *.safetensors or *.bin weights in {head_dir}")
+        for f in bins:
+            state.update(torch.load(f, map_location="cpu", weights_only=True))
+    state.pop("embed_tokens.weight", None)  # some trainers save the target's embeddings too
+    with torch.device("meta"):
+        head = Eagle3Head(spec)
+    expected = set(head.state_dict())
+    missing, unknown = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    if missing or unknown:
+        raise ValueError(f"{head_dir} is not an EAGLE-3 head of this target: missing {missing[:5]}, "
+                         f"unknown {unknown[:5]}")
+    buffers = {"d2t": torch.long, "t2d": torch.bool}
+    head.load_state_dict({k: v.to(buffers.get(k, dtype)) for k, v in state.items()}, assign=True)
+    head.rotary.inv_freq = spec.layer.rope_inv_freq()[0]
+    return head.to(device).eval()
