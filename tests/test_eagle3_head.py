@@ -104,7 +104,7 @@ def test_published_layout_loads_and_matches_the_architecture(fmt, checkpoints, t
     cfg = json.loads((tmp_path / "head" / "config.json").read_text())
     target = ModelSpec.from_pretrained(target_dir)
     head = load_eagle3(tmp_path / "head", target, torch.float64, torch.device("cpu"))
-    assert head.spec.aux_layers == (0, 1, 2) and head.spec.draft_vocab_size == DRAFT_VOCAB
+    assert head.spec.aux_layers == (1, 2, 3) and head.spec.draft_vocab_size == DRAFT_VOCAB  # outputs -> inputs
 
     torch.manual_seed(1)
     n, h = 9, target.hidden_size

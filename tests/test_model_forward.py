@@ -70,3 +70,30 @@ def test_ragged_batch_padding_does_not_leak(checkpoints):
     alone_batch = ForwardBatch.build(short[None], pos[:1, :3], torch.tensor([0]), pos[:1, :3],
                                      torch.zeros(1, dtype=torch.long), causal_region(lengths[:1], 3))
     torch.testing.assert_close(together, ours(alone_batch, cache)[0], rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["reference", "fused"])
+def test_aux_hidden_states_equal_hf_hidden_states(fuse, checkpoints, tmp_path):
+    """forward_with_aux captures, in the same pass, what HF's output_hidden_states calls the
+    input of each layer (index L: after the last layer, before the final norm), and its logits
+    are forward's."""
+    path = checkpoints["llama-gqa"]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    ours = load_model(path, torch.float64, torch.device("cpu"), fuse=fuse)
+    s = ours.spec
+    cache = KVCache(s.num_layers, 1, 32, s.num_kv_heads, s.head_dim, torch.float64, torch.device("cpu"))
+    ids = torch.randint(0, s.vocab_size, (1, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True)
+    pos = torch.arange(10)[None]
+    batch = ForwardBatch.build(ids, pos, torch.tensor([0]), pos, torch.tensor([0]), causal_region(torch.tensor([10]), 10))
+    layers = (0, 2, s.num_layers)
+    logits, aux = ours.forward_with_aux(batch, cache, layers)
+    torch.testing.assert_close(logits, ref.logits, rtol=0, atol=1e-5)
+    h = s.hidden_size
+    for j, i in enumerate(layers):
+        want = ref.hidden_states[i] if i < s.num_layers else None
+        if want is not None:
+            torch.testing.assert_close(aux[..., j * h:(j + 1) * h], want, rtol=0, atol=1e-9)
+    # HF's last entry is after the final norm; ours is the stream before it: norm(ours) == HF's
+    torch.testing.assert_close(ours.model.norm(aux[..., 2 * h:]), ref.hidden_states[-1], rtol=0, atol=1e-9)

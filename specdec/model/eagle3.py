@@ -43,7 +43,7 @@ class Eagle3Spec:
     layer: ModelSpec                 # the mid-layer's shape (hidden size, heads, RoPE, vocabulary)
     target_hidden_size: int
     draft_vocab_size: int
-    aux_layers: tuple[int, ...]      # target layers whose input hidden states are captured, in order
+    aux_layers: tuple[int, ...]      # target layers whose INPUT hidden states are captured, in order
     norm_before_residual: bool       # the residual is the normed hidden state (some trainers' variant)
 
     @classmethod
@@ -54,10 +54,13 @@ class Eagle3Spec:
             raise ValueError(f"an EAGLE-3 head has one decoder layer; {head_dir} declares {layer.num_layers}")
         if layer.vocab_size != target.vocab_size:
             raise ValueError(f"EAGLE-3 head vocabulary {layer.vocab_size} != target vocabulary {target.vocab_size}")
-        aux = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(
-            target.num_layers)
+        # Checkpoints name the layers whose OUTPUT is captured; the output of layer i is the input of i + 1.
+        outputs = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        aux = tuple(int(i) + 1 for i in outputs) if outputs else default_aux_layers(target.num_layers)
+        if not all(0 <= i <= target.num_layers for i in aux):
+            raise ValueError(f"aux hidden-state layers {aux} outside the target's 0..{target.num_layers}")
         return cls(layer, int(raw.get("target_hidden_size") or target.hidden_size),
-                   int(raw.get("draft_vocab_size") or layer.vocab_size), tuple(int(i) for i in aux),
+                   int(raw.get("draft_vocab_size") or layer.vocab_size), aux,
                    bool(raw.get("norm_before_residual", False)))
 
 

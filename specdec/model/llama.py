@@ -139,28 +139,50 @@ class LlamaForCausalLM(nn.Module):
         logit_index: [B, m] positions (into n) whose logits are wanted; None = all.
         Returns logits [B, m, V] in fp32 (fp64 for an fp64 model).
         """
+        return self._forward(batch, cache, logit_index, ())[0]
+
+    @torch.inference_mode()
+    def forward_with_aux(self, batch: ForwardBatch, cache: KVCache, aux_layers: tuple[int, ...],
+                         logit_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward, and the hidden states at the inputs of `aux_layers` (0..L; L = after the last
+        layer, before the final norm), what an EAGLE-3 head drafts from, concatenated in that
+        order: [B, n, len(aux_layers) * h], from the same pass. Before logit_index is applied."""
+        logits, aux = self._forward(batch, cache, logit_index, aux_layers)
+        return logits, torch.cat(aux, dim=-1)
+
+    def _forward(self, batch, cache, logit_index, aux_layers) -> tuple[torch.Tensor, list[torch.Tensor]]:
         x = self.model.embed_tokens(batch.tokens)              # [B, n, h]
         cos, sin = self.model.rotary(batch.positions, x.dtype)  # [B, n, D]
+        captured: dict[int, torch.Tensor] = {}
         if self.fused:
-            x = self._layers_fused(x, cos, sin, batch, cache)
+            x = self._layers_fused(x, cos, sin, batch, cache, aux_layers, captured)
         else:
             mask = None if use_triton(x) else batch.attention_mask()  # the Triton kernel masks on the fly
-            for layer in self.model.layers:
+            for i, layer in enumerate(self.model.layers):
+                if i in aux_layers:
+                    captured[i] = x
                 x = layer(x, cos, sin, batch, mask, cache)
+            captured[len(self.model.layers)] = x  # "input of layer L": the stream before the final norm
         if logit_index is not None:
             x = torch.gather(x, 1, logit_index[:, :, None].expand(-1, -1, x.shape[-1]))
         if not self.fused:  # the fused layers end with the final norm applied
             x = self.model.norm(x)
         logits = gather_vocab(self.lm_head(x), self.layout, self.spec.vocab_size)
-        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return logits.to(torch.promote_types(logits.dtype, torch.float32)), [captured[i] for i in aux_layers]
 
-    def _layers_fused(self, x, cos, sin, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """All layers in the fused form -> the final-normed hidden states [B, n, h]."""
+    def _layers_fused(self, x, cos, sin, batch: ForwardBatch, cache: KVCache, aux_layers=(),
+                      captured: dict | None = None) -> torch.Tensor:
+        """All layers in the fused form -> the final-normed hidden states [B, n, h]; the residual
+        stream at the input of each of aux_layers is copied into `captured` (it is updated in place)."""
         layers = self.model.layers
         first = layers[0].input_layernorm
         h, residual = add_rms_norm(x, None, first.weight, first.eps)
         paths = ancestor_paths(batch.region_mask) if layers[0].self_attn.batch_invariant and x.is_cuda else None
         for i, layer in enumerate(layers):
+            if i in aux_layers:
+                captured[i] = residual.clone()
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h, residual = layer.forward_fused(h, residual, cos, sin, batch, cache, next_norm, paths)
+        if captured is not None:
+            captured[len(layers)] = residual  # "input of layer L": the stream before the final norm
         return h
