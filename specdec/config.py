@@ -63,6 +63,7 @@ class EngineServiceConfig:
     cuda_graphs: bool = True
     controlled: ControlledAcceptance | None = None  # drafter only: benchmarks' known acceptance
     batch_invariant: bool = False  # batch-invariant matmuls and attention (bit-identical modes)
+    aux_hidden_layers: tuple[int, ...] = ()  # verifier: layer inputs whose hidden states verdicts carry
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
@@ -88,6 +89,11 @@ class EngineServiceConfig:
                        help="matmuls and attention with one tile shape and reduction order whatever the batch, "
                             "so every mode gives bit-identical logits and tokens in bf16; slower, see "
                             "BENCHMARKS.md (env SPECDEC_BATCH_INVARIANT=1)")
+        if role == "verifier":
+            p.add_argument("--aux-hidden-layers", default=env("AUX_HIDDEN_LAYERS", ""),
+                           help="comma-separated target layers (0..num_layers) whose input hidden states every "
+                                "verdict carries for the tokens it commits, for an EAGLE-3 drafter; e.g. 2,16,29 "
+                                "(env SPECDEC_AUX_HIDDEN_LAYERS; default none)")
         if role == "drafter":
             g = p.add_argument_group("controlled acceptance (benchmarks only)")
             g.add_argument("--controlled-acceptance", metavar="FILE", default=env("CONTROLLED_ACCEPTANCE"),
@@ -112,7 +118,15 @@ class EngineServiceConfig:
         elif acceptance is not None:
             raise SystemExit("--acceptance needs --controlled-acceptance FILE")
         return cls(role, model_dir, a.listen, a.device, a.dtype, a.max_sequences, a.max_context,
-                   a.max_draft_tokens, a.tp, a.cuda_graphs, controlled, a.batch_invariant)
+                   a.max_draft_tokens, a.tp, a.cuda_graphs, controlled, a.batch_invariant,
+                   parse_layers(getattr(a, "aux_hidden_layers", "")))
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise SystemExit(f"--aux-hidden-layers takes comma-separated layer numbers, not {text!r}") from None
 
 
 def add_device_arguments(p: argparse.ArgumentParser) -> None:

@@ -35,7 +35,11 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
         from verifier_svc.servicer import VerifierServicer
         from verifier_svc.warmup import warm_up
 
-        engine = VerifierEngine(runner, cfg.max_sequences, cfg.max_context, cfg.max_draft_tokens)
+        try:
+            engine = VerifierEngine(runner, cfg.max_sequences, cfg.max_context, cfg.max_draft_tokens,
+                                    cfg.aux_hidden_layers)
+        except ValueError as exc:
+            raise SystemExit(f"verifier: {exc}") from exc
         info.max_context = engine.max_context
         servicer = VerifierServicer(engine, info, log, executor)
         register = lambda server: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)  # noqa: E731

@@ -20,8 +20,14 @@ from verifier_svc.types import Verdict, VerifierStep, VerifierStepResult, Verify
 
 
 class VerifierEngine:
-    def __init__(self, runner: ModelRunner, max_sequences: int, max_context: int, max_draft_tokens: int) -> None:
+    def __init__(self, runner: ModelRunner, max_sequences: int, max_context: int, max_draft_tokens: int,
+                 aux_layers: tuple[int, ...] = ()) -> None:
+        """aux_layers: target layers (0..num_layers) whose input hidden states every verdict carries
+        for the positions it committed (for an EAGLE-3 drafter); empty = none."""
         spec = runner.spec
+        if not all(0 <= i <= spec.num_layers for i in aux_layers):
+            raise ValueError(f"aux hidden-state layers {list(aux_layers)} must lie in 0..{spec.num_layers}")
+        runner.aux_layers = tuple(aux_layers)
         self.runner = runner
         self.spec = spec
         self.device = runner.device
@@ -93,7 +99,7 @@ class VerifierEngine:
             tokens, positions, self.table.slots(leaders, self.device), positions,
             torch.zeros_like(lengths), causal_region(lengths, n), kv_len=n,
         )
-        logits = self.runner.forward(batch, logit_index=(lengths - 1)[:, None])  # [L, 1, V]
+        logits, aux = self._forward(batch, logit_index=(lengths - 1)[:, None])  # [L, 1, V], [L, n, A] or None
         followers = [s for s, _ in opened if leader_of[s.seq_id] is not s]
         if followers:
             src = self.table.slots([leader_of[s.seq_id] for s in followers], self.device)
@@ -102,9 +108,19 @@ class VerifierEngine:
         states = [s for s, _ in opened]
         logits = logits[[row[leader_of[s.seq_id].seq_id] for s in states]]      # [B, 1, V]
         first = self._sample_next(states, logits[:, 0]).tolist()
+        hidden = aux.cpu() if aux is not None else None  # after the read-back above: no extra wait
+        out = []
         for s, tok in zip(states, first):
+            h = hidden[row[leader_of[s.seq_id].seq_id], :len(s.tokens)] if hidden is not None else None
             s.tokens.append(tok)
-        return [Verdict(s.seq_id, len(s.tokens), [tok], 0) for s, tok in zip(states, first)]
+            out.append(Verdict(s.seq_id, len(s.tokens), [tok], 0, h))
+        return out
+
+    def _forward(self, batch: ForwardBatch, logit_index: torch.Tensor | None = None):
+        """-> (logits, aux hidden states [B, n, A] or None)."""
+        if self.runner.aux_layers:
+            return self.runner.forward_with_aux(batch, logit_index)
+        return self.runner.forward(batch, logit_index), None
 
     def _sample_next(self, states: list[SequenceState], logits: torch.Tensor) -> torch.Tensor:
         """The next token after each sequence's committed tokens, from logits [B, V]."""
@@ -127,7 +143,7 @@ class VerifierEngine:
             kv_start[:, None] + torch.arange(n, device=self.device), kv_start, trees.ancestors,
             kv_len=max(starts) + n,
         )
-        logits = self.runner.forward(batch)  # [B, n, V]
+        logits, aux = self._forward(batch)  # [B, n, V], [B, n, A] or None
         params = [s.sampling for s in states]
         if all(p.greedy for p in params):
             verdict = greedy_accept(trees.tokens, trees.parents, trees.depth, trees.ancestors, trees.num_nodes,
@@ -149,12 +165,16 @@ class VerifierEngine:
         # The step's one read-back: accepted tokens, their count, the bonus, whether to compact.
         rows = torch.cat([accepted, torch.stack([verdict.accept_len, verdict.bonus, scattered.long()], 1)], 1)
         rows = rows.tolist()
+        hidden = None
+        if aux is not None:  # the root's and the accepted nodes' states, in path order
+            path = verdict.path.clamp(min=0)
+            hidden = torch.gather(aux, 1, path[:, :, None].expand(-1, -1, aux.shape[-1])).cpu()
         if any(row[-1] for row in rows):  # compact the accepted path's KV into a dense prefix
             src = kv_start[:, None] + torch.where(on_path, verdict.path, dense)
             self.runner.move(slots, src, kv_start[:, None] + dense)
         out = []
-        for s, (*row, a, bonus, _) in zip(states, rows):
+        for i, (s, (*row, a, bonus, _)) in enumerate(zip(states, rows)):
             new = row[:a] + [bonus]
             s.tokens += new
-            out.append(Verdict(s.seq_id, len(s.tokens), new, a))
+            out.append(Verdict(s.seq_id, len(s.tokens), new, a, hidden[i, :a + 1] if hidden is not None else None))
         return out

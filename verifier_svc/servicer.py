@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specdec.rpc import verifier_pb2, verifier_pb2_grpc
-from specdec.rpc.convert import error_to_proto, sampling_from_proto, tree_from_proto
+from specdec.rpc.convert import error_to_proto, sampling_from_proto, tensor_to_payload, tree_from_proto
 from specdec.step_servicer import StepStreamServicer
 from verifier_svc.types import OpenSequence, VerifierStep, VerifierStepResult, VerifyItem
 
@@ -23,7 +23,8 @@ class VerifierServicer(StepStreamServicer, verifier_pb2_grpc.VerifierServicer):
             step=res.step,
             verdicts=[
                 verifier_pb2.Verdict(seq_id=v.seq_id, committed_len=v.committed_len,
-                                     accepted_ids=v.accepted_ids, accepted_drafts=v.accepted_drafts)
+                                     accepted_ids=v.accepted_ids, accepted_drafts=v.accepted_drafts,
+                                     hidden_states=tensor_to_payload(v.hidden) if v.hidden is not None else None)
                 for v in res.verdicts
             ],
             errors=[error_to_proto(e) for e in res.errors],

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from specdec.errors import SequenceError
 from specdec.sampling import GREEDY, SamplingParams
 from specdec.tree import DraftTree
@@ -38,6 +40,10 @@ class Verdict:
     committed_len: int
     accepted_ids: list[int]  # accepted draft tokens, then the bonus token
     accepted_drafts: int
+    # With aux layers configured: the target's hidden states [tokens, layers * hidden] (host) of
+    # the positions this step computed and committed -- a prefill's prompt, a verify step's root
+    # and accepted draft nodes: the positions just before each new token (EAGLE-3 drafts from them).
+    hidden: torch.Tensor | None = None
 
 
 @dataclass

@@ -14,7 +14,8 @@ a forward that fits a pair is copied into that graph's static inputs, padded, an
   and tree-draft steps (whose region also covers earlier fed nodes) run eagerly.
 
 Only all-position logits are graphed (`logit_index` None); the logits land in one shared static
-buffer, so memory is that buffer plus the pool of the largest capture.
+buffer, so memory is that buffer plus the pool of the largest capture. With `aux_width`, the
+forward also returns captured hidden states (EAGLE-3), kept in a second static buffer (`aux`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class GraphedForward:
 
     def __init__(self, forward: Callable[[ForwardBatch], torch.Tensor], vocab: int, scratch_slot: int,
                  slot_len: int, device: torch.device, batch_sizes: tuple[int, ...],
-                 query_lens: tuple[int, ...], logits_dtype: torch.dtype = torch.float32) -> None:
+                 query_lens: tuple[int, ...], logits_dtype: torch.dtype = torch.float32, aux_width: int = 0,
+                 aux_dtype: torch.dtype = torch.float32) -> None:
         self.forward = forward
         self.scratch_slot = scratch_slot
         self.slot_len = slot_len
@@ -57,6 +59,9 @@ class GraphedForward:
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.logits = torch.empty(max(self.batch_sizes), max(self.query_lens), vocab, dtype=logits_dtype,
                                   device=device)  # [B, n, V] shared by every graph
+        # [B, n, aux_width]: forward returns (logits, aux) when aux_width > 0
+        self.aux = torch.empty(max(self.batch_sizes), max(self.query_lens), aux_width, dtype=aux_dtype,
+                               device=device) if aux_width else None
         self.pool = None
 
     def capture(self, log=None) -> None:
@@ -127,4 +132,8 @@ class GraphedForward:
 
     def _write_logits(self, inputs: ForwardBatch) -> None:
         b, n = inputs.tokens.shape
-        self.logits[:b, :n].copy_(self.forward(inputs))
+        out = self.forward(inputs)
+        if self.aux is not None:
+            out, aux = out
+            self.aux[:b, :n].copy_(aux)
+        self.logits[:b, :n].copy_(out)

@@ -26,6 +26,7 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         self.cache: KVCache | None = None
         self.graphs: GraphedForward | None = None
+        self.aux_layers: tuple[int, ...] = ()  # target layers whose inputs forward_with_aux returns (EAGLE-3)
 
     def allocate_kv(self, num_slots: int, slot_len: int) -> None:
         """num_slots for sequences, and one more that no sequence owns: CUDA graphs' padding rows write there."""
@@ -36,9 +37,13 @@ class ModelRunner:
     def capture_cuda_graphs(self, max_batch: int, query_lens: tuple[int, ...], log=None) -> None:
         """Capture the repeating forwards (see cuda_graphs.py); single-rank CUDA only."""
         sizes = batch_buckets(max_batch)
-        self.graphs = GraphedForward(lambda batch: self.model(batch, self.cache), self.spec.vocab_size,
-                                     self.cache.num_slots - 1, self.cache.slot_len, self.device, sizes, query_lens,
-                                     torch.promote_types(self.dtype, torch.float32))
+        if self.aux_layers:
+            forward = lambda batch: self.model.forward_with_aux(batch, self.cache, self.aux_layers)  # noqa: E731
+        else:
+            forward = lambda batch: self.model(batch, self.cache)  # noqa: E731
+        self.graphs = GraphedForward(forward, self.spec.vocab_size, self.cache.num_slots - 1, self.cache.slot_len,
+                                     self.device, sizes, query_lens, torch.promote_types(self.dtype, torch.float32),
+                                     len(self.aux_layers) * self.spec.hidden_size, self.dtype)
         self.graphs.capture(log)
 
     def forward(self, batch: ForwardBatch, logit_index: torch.Tensor | None = None) -> torch.Tensor:
@@ -47,6 +52,17 @@ class ModelRunner:
             if logits is not None:
                 return logits  # a view of the graphs' static buffer: valid until the next forward
         return self.model(batch, self.cache, logit_index)
+
+    def forward_with_aux(self, batch: ForwardBatch,
+                         logit_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward, plus the hidden states at the inputs of self.aux_layers for every position:
+        [B, n, len(aux_layers) * hidden] (valid until the next forward, like the logits)."""
+        if self.graphs is not None and logit_index is None:
+            logits = self.graphs.run(batch)
+            if logits is not None:
+                b, n = batch.tokens.shape
+                return logits, self.graphs.aux[:b, :n]
+        return self.model.forward_with_aux(batch, self.cache, self.aux_layers, logit_index)
 
     def move(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.cache.move(slots, src, dst)
@@ -73,10 +89,17 @@ class TPLeader(ModelRunner):
         super().allocate_kv(num_slots, slot_len)
 
     def forward(self, batch: ForwardBatch, logit_index: torch.Tensor | None = None) -> torch.Tensor:
-        b = batch
+        self._broadcast_forward(batch, logit_index)
+        return super().forward(batch, logit_index)
+
+    def forward_with_aux(self, batch: ForwardBatch,
+                         logit_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        self._broadcast_forward(batch, logit_index)  # the other ranks run the same collectives; aux stays here
+        return super().forward_with_aux(batch, logit_index)
+
+    def _broadcast_forward(self, b: ForwardBatch, logit_index: torch.Tensor | None) -> None:
         self._broadcast("forward", b.tokens, b.positions, b.slots, b.write_pos, b.prefix_len, b.region_mask,
                         b.kv_len, logit_index)
-        return super().forward(batch, logit_index)
 
     def move(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         self._broadcast("move", slots, src, dst)

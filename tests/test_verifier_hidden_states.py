@@ -1,0 +1,98 @@
+"""Hidden states for an EAGLE-3 drafter: with aux layers configured, every verdict carries the
+target's hidden states at those layers' inputs for exactly the positions it committed (a
+prefill's prompt; a verify step's root and accepted draft nodes, trees compacted or not), so
+that over a sequence's life they tile positions 0..len-2 and equal Hugging Face's hidden states
+of the committed tokens. Also through CUDA-graph padding (the CPU stand-in) and through the
+protobuf payload (dtype and shape declared, bfloat16 included)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_cuda_graphs import EagerGraphs
+from transformers import AutoModelForCausalLM
+
+from specdec.model.loader import load_model
+from specdec.model.runner import ModelRunner
+from specdec.rpc.convert import payload_to_tensor, tensor_to_payload
+from specdec.tree import DraftTree
+from verifier_svc.engine import VerifierEngine
+from verifier_svc.servicer import VerifierServicer
+from verifier_svc.types import OpenSequence, VerifierStep, VerifyItem
+
+AUX = (0, 1, 2)
+
+
+def engine(path, graphed: bool) -> VerifierEngine:
+    runner = ModelRunner(load_model(path, torch.float64, torch.device("cpu")))
+    eng = VerifierEngine(runner, 3, 96, 16, aux_layers=AUX)
+    if graphed:
+        runner.graphs = EagerGraphs(
+            lambda batch: runner.model.forward_with_aux(batch, runner.cache, AUX), runner.spec.vocab_size,
+            runner.cache.num_slots - 1, runner.cache.slot_len, runner.device, (1, 2, 3), (1, 2, 5, 9),
+            torch.float64, len(AUX) * runner.spec.hidden_size, torch.float64)
+        runner.graphs.capture()
+    return eng
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graph-padded"])
+def test_verdict_hidden_states_tile_the_sequence_and_equal_hf(graphed, checkpoints):
+    path = checkpoints["llama-gqa"]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    eng = engine(path, graphed)
+    rng = random.Random(3)
+    prompts = {"a": [5, 6, 7, 8], "b": [100, 3], "c": [5, 6, 7, 8]}  # c shares a's prefill
+    res = eng.step(VerifierStep(0, open=[OpenSequence(s, p, share_prefill_with="a" if s == "c" else "")
+                                         for s, p in prompts.items()]))
+    tokens = {v.seq_id: list(prompts[v.seq_id]) + v.accepted_ids for v in res.verdicts}
+    hidden = {v.seq_id: [v.hidden] for v in res.verdicts}
+    scattered, accepted = 0, 0
+    for step in range(1, 8):
+        items = []
+        for sid, toks in tokens.items():
+            with torch.no_grad():  # the target's own continuation, broken at a random point
+                cont = hf.generate(torch.tensor([toks]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+            good = cont[0, len(toks):].tolist()
+            cut = rng.randrange(len(good) + 1)
+            chain = good[:cut] + [rng.randrange(380) for _ in range(rng.randint(0, 2))]
+            if rng.random() < 0.5 or not chain:
+                draft = DraftTree.chain(chain)
+            else:  # a wrong sibling first: accepting the chain moves its KV (compaction)
+                draft = DraftTree([rng.randrange(380)] + chain, [0, 0] + list(range(2, len(chain) + 1)))
+                scattered += 1
+            items.append(VerifyItem(sid, len(toks), draft))
+        res = eng.step(VerifierStep(step, verify=items))
+        assert not res.errors
+        for v in res.verdicts:
+            assert v.hidden.shape[0] == v.accepted_drafts + 1  # the root and the accepted nodes
+            tokens[v.seq_id] += v.accepted_ids
+            hidden[v.seq_id].append(v.hidden)
+            accepted += v.accepted_drafts
+    assert scattered > 3 and accepted > 10  # trees with a moved path and multi-token steps did occur
+    h = eng.spec.hidden_size
+    for sid, toks in tokens.items():
+        got = torch.cat(hidden[sid])                       # [len - 1, 3h]: positions 0 .. len-2
+        assert got.shape == (len(toks) - 1, len(AUX) * h)
+        with torch.no_grad():
+            ref = hf(torch.tensor([toks[:-1]]), output_hidden_states=True).hidden_states
+        want = torch.cat([ref[i][0] for i in AUX], -1)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_payload_round_trip(dtype):
+    t = torch.randn(3, 10).to(dtype)
+    msg = tensor_to_payload(t)
+    assert msg.dtype == str(dtype).removeprefix("torch.") and list(msg.shape) == [3, 10]
+    assert torch.equal(payload_to_tensor(msg), t)
+
+
+def test_servicer_ships_the_hidden_states(checkpoints):
+    eng = engine(checkpoints["llama-gqa"], False)
+    servicer = VerifierServicer.__new__(VerifierServicer)
+    res = eng.step(VerifierStep(0, open=[OpenSequence("a", [1, 2, 3])]))
+    msg = servicer.result_to_proto(res)
+    assert torch.equal(payload_to_tensor(msg.verdicts[0].hidden_states), res.verdicts[0].hidden)
+    assert list(msg.verdicts[0].hidden_states.shape) == [3, len(AUX) * eng.spec.hidden_size]
