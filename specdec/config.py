@@ -84,12 +84,12 @@ class EngineServiceConfig:
                        default=env("CUDA_GRAPHS", "1") not in ("0", "false", "no"),
                        help="capture the repeating step forwards as CUDA graphs at start-up (cuda, --tp 1; "
                             "env SPECDEC_CUDA_GRAPHS=0 turns it off)")
-        p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
-                       default=env("BATCH_INVARIANT", "0") not in ("0", "false", "no"),
-                       help="matmuls and attention with one tile shape and reduction order whatever the batch, "
-                            "so every mode gives bit-identical logits and tokens in bf16; slower, see "
-                            "BENCHMARKS.md (env SPECDEC_BATCH_INVARIANT=1)")
         if role == "verifier":
+            p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
+                           default=env("BATCH_INVARIANT", "0") not in ("0", "false", "no"),
+                           help="matmuls and attention with one tile shape and reduction order whatever the "
+                                "batch, so every mode gives bit-identical logits and tokens in bf16; slower, "
+                                "see BENCHMARKS.md (env SPECDEC_BATCH_INVARIANT=1)")
             p.add_argument("--aux-hidden-layers", default=env("AUX_HIDDEN_LAYERS", ""),
                            help="comma-separated target layers (0..num_layers) whose input hidden states every "
                                 "verdict carries for the tokens it commits, for an EAGLE-3 drafter; e.g. 2,16,29 "
@@ -118,7 +118,7 @@ class EngineServiceConfig:
         elif acceptance is not None:
             raise SystemExit("--acceptance needs --controlled-acceptance FILE")
         return cls(role, model_dir, a.listen, a.device, a.dtype, a.max_sequences, a.max_context,
-                   a.max_draft_tokens, a.tp, a.cuda_graphs, controlled, a.batch_invariant,
+                   a.max_draft_tokens, a.tp, a.cuda_graphs, controlled, getattr(a, "batch_invariant", False),
                    parse_layers(getattr(a, "aux_hidden_layers", "")))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -62,8 +63,25 @@ def run_held(cluster, work, while_held=lambda: None) -> list[tuple[list[int] | g
 
 @pytest.fixture
 def replicated(checkpoints, start_cluster):
-    return start_cluster(checkpoints["llama-gqa"], checkpoints["llama-gqa/draft"], verifiers=2, drafters=2,
-                         gateway_extra=["--resolve-interval", "0.5"], hold=True)
+    cluster = start_cluster(checkpoints["llama-gqa"], checkpoints["llama-gqa/draft"], verifiers=2, drafters=2,
+                            gateway_extra=["--resolve-interval", "0.5"], hold=True)
+    wait_all_healthy(cluster)
+    return cluster
+
+
+def wait_all_healthy(cluster, timeout: float = 60.0) -> None:
+    """The gateway serves once one verifier and one drafter answer; the tests pin requests over
+    all four replicas, so wait until its log shows every one healthy (under load the second of a
+    pair can come a few health rounds later)."""
+    addresses = {a for name, a in cluster.addr.items() if name != "gateway"}
+    deadline = time.monotonic() + timeout
+    while True:
+        log = (cluster.log_dir / "gateway.log").read_text()
+        seen = set(re.findall(r"replica healthy.*?address=(\S+)", log))
+        if addresses <= seen:
+            return
+        assert time.monotonic() < deadline, f"replicas never healthy in the gateway: {addresses - seen}"
+        time.sleep(0.1)
 
 
 def pins(cluster) -> dict[str, tuple[str, str]]:
