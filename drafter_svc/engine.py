@@ -90,36 +90,7 @@ class DrafterEngine:
         return result
 
     def _apply(self, item: DraftItem) -> SequenceState | SequenceError:
-        """Open or extend the sequence with the newly committed tokens, after checks."""
-        problem = item.shape.problem()
-        if problem:
-            return SequenceError(item.seq_id, ErrorCode.INVALID, problem)
-        state = self.table.get(item.seq_id)
-        if state is None:
-            if item.committed_len != len(item.append_ids):
-                return SequenceError(item.seq_id, ErrorCode.NOT_FOUND,
-                                     f"sequence {item.seq_id!r} is not open; send all its tokens to open it")
-            state = self.table.open(item.seq_id, item.append_ids)
-            if isinstance(state, SequenceError):
-                return state
-        else:
-            if len(state.tokens) + len(item.append_ids) != item.committed_len:
-                return SequenceError(
-                    item.seq_id, ErrorCode.STALE,
-                    f"drafter holds {len(state.tokens)} tokens; {len(item.append_ids)} appended "
-                    f"do not make {item.committed_len}",
-                )
-            problem = self.table.token_problem(item.append_ids) if item.append_ids else None
-            if problem:
-                return SequenceError(item.seq_id, ErrorCode.INVALID, problem)
-            state.tokens += item.append_ids
-        if self.table.token_problem(item.assumed_ids or [0]):
-            return SequenceError(item.seq_id, ErrorCode.INVALID, "assumed token outside the vocabulary")
-        fed = item.shape.k if isinstance(item.shape, ChainShape) else item.shape.fed_nodes
-        if len(state.tokens) + len(item.assumed_ids) + fed > self.slot_len:
-            return SequenceError(item.seq_id, ErrorCode.OUT_OF_CAPACITY,
-                                 f"sequence reached the drafter's context limit {self.max_context}")
-        return state
+        return apply_item(self.table, item, self.slot_len, self.max_context)
 
     def _catch_up(self, ready: list[tuple[SequenceState, DraftItem]]) -> torch.Tensor:
         """Feed each context (committed + assumed tokens) where the KV lacks it, at least its last
@@ -215,3 +186,38 @@ class DrafterEngine:
                 proposals = [Proposal(ids, probs) for ids, probs in zip(id_rows[i][:k], pr_rows[i][:k])]
             out.append(DraftTree.chain(row[:k], lp[:k], proposals))
         return out
+
+
+def apply_item(table: SequenceTable, item: DraftItem, slot_len: int,
+               max_context: int) -> SequenceState | SequenceError:
+    """Open or extend the item's sequence with its newly committed tokens, after checks (shared by
+    the drafter engines)."""
+    problem = item.shape.problem()
+    if problem:
+        return SequenceError(item.seq_id, ErrorCode.INVALID, problem)
+    state = table.get(item.seq_id)
+    if state is None:
+        if item.committed_len != len(item.append_ids):
+            return SequenceError(item.seq_id, ErrorCode.NOT_FOUND,
+                                 f"sequence {item.seq_id!r} is not open; send all its tokens to open it")
+        state = table.open(item.seq_id, item.append_ids)
+        if isinstance(state, SequenceError):
+            return state
+    else:
+        if len(state.tokens) + len(item.append_ids) != item.committed_len:
+            return SequenceError(
+                item.seq_id, ErrorCode.STALE,
+                f"drafter holds {len(state.tokens)} tokens; {len(item.append_ids)} appended "
+                f"do not make {item.committed_len}",
+            )
+        problem = table.token_problem(item.append_ids) if item.append_ids else None
+        if problem:
+            return SequenceError(item.seq_id, ErrorCode.INVALID, problem)
+        state.tokens += item.append_ids
+    if table.token_problem(item.assumed_ids or [0]):
+        return SequenceError(item.seq_id, ErrorCode.INVALID, "assumed token outside the vocabulary")
+    fed = item.shape.k if isinstance(item.shape, ChainShape) else item.shape.fed_nodes
+    if len(state.tokens) + len(item.assumed_ids) + fed > slot_len:
+        return SequenceError(item.seq_id, ErrorCode.OUT_OF_CAPACITY,
+                             f"sequence reached the drafter's context limit {max_context}")
+    return state

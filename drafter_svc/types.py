@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from specdec.errors import SequenceError
 from specdec.limits import MAX_DRAFTED_CHAIN, MAX_TREE_BUDGET, MAX_TREE_DEPTH, MAX_TREE_TOPK
 from specdec.sampling import GREEDY, SamplingParams
@@ -49,6 +51,9 @@ class DraftItem:
     assumed_ids: list[int]
     shape: ChainShape | TreeShape
     sampling: SamplingParams = GREEDY
+    # EAGLE-3: the target's hidden states [appended tokens (when opening: all but one), aux width]
+    # of the positions just before each appended token (verdicts carry them; the gateway forwards).
+    hidden: torch.Tensor | None = None
 
 
 @dataclass

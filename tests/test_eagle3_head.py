@@ -118,7 +118,7 @@ def test_published_layout_loads_and_matches_the_architecture(fmt, checkpoints, t
         pos = torch.arange(lo, hi)[None]
         batch = ForwardBatch.build(torch.zeros_like(pos), pos, torch.tensor([1]), pos, torch.tensor([lo]),
                                    causal_region(torch.tensor([hi - lo]), hi - lo))
-        logits, out = head(batch, cache, embeds[None, lo:hi], hidden[None, lo:hi])
+        logits, out = head(batch, cache, embeds[None, lo:hi], hidden[None, lo:hi], from_target=True)
         got_logits.append(logits[0])
         got_out.append(out[0])
     torch.testing.assert_close(torch.cat(got_logits), want_logits, rtol=0, atol=1e-9)
@@ -126,7 +126,7 @@ def test_published_layout_loads_and_matches_the_architecture(fmt, checkpoints, t
     # drafting on from its own output: the hidden input is already the head's width (no fc)
     pos = torch.tensor([[9]])
     batch = ForwardBatch.build(pos, pos, torch.tensor([1]), pos, torch.tensor([9]), causal_region(torch.tensor([1]), 1))
-    head(batch, cache, embeds[None, :1], got_out[-1][None, -1:])
+    head(batch, cache, embeds[None, :1], got_out[-1][None, -1:], from_target=False)
 
     draft_ids = torch.tensor([0, 5, DRAFT_VOCAB - 1])
     assert head.to_target_ids(draft_ids).tolist() == state["t2d"].nonzero()[:, 0][draft_ids].tolist()

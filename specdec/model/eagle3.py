@@ -94,12 +94,12 @@ class Eagle3Head(nn.Module):
         self.rotary = RotaryEmbedding(*spec.layer.rope_inv_freq())
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: KVCache, embeds: torch.Tensor,
-                hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """embeds [B, n, h] (the target's embeddings of batch.tokens); hidden [B, n, 3 x target h]
-        (captured target states, projected by fc) or [B, n, h] (the head's own previous outputs)
-        -> (draft-vocabulary logits [B, n, Vd] in fp32 or wider, hidden out [B, n, h])."""
-        if hidden.shape[-1] != self.spec.layer.hidden_size:
+    def forward(self, batch: ForwardBatch, cache: KVCache, embeds: torch.Tensor, hidden: torch.Tensor,
+                from_target: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeds [B, n, h] (the target's embeddings of batch.tokens); hidden: from_target, the
+        captured target states [B, n, 3 x target h] (projected by fc), else the head's own previous
+        outputs [B, n, h] -> (draft-vocabulary logits [B, n, Vd] in fp32 or wider, hidden out [B, n, h])."""
+        if from_target:
             hidden = self.fc(hidden)
         layer = self.midlayer
         normed = layer.hidden_norm(hidden)

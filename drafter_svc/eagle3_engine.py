@@ -1,0 +1,141 @@
+"""EAGLE-3 drafter engine: chains drafted by a one-layer head from the target's hidden states.
+
+Pairing (as SGLang has it): head position q holds token x_{q+1} with the target's hidden state
+h_q, so the head's output at the last committed position predicts the next token. The verifier's
+verdicts carry h for exactly the positions they commit (prompt at prefill, root + accepted nodes
+after each verify: positions 0..len-2 over a sequence's life), and each DraftItem brings the
+rows for its appended tokens. Draft positions past the committed ones -- overlap's assumed
+tokens, then the chain itself -- have no target state yet, so the head feeds its own output
+there; they are overwritten from the real states when the next verdict's rows arrive (the
+head's KV of real pairs is tracked separately from that of drafted ones).
+
+Drafts are the head's argmax (no proposal distributions): the verifier treats them as point
+masses, which keeps sampled requests lossless too. Trees are not drafted by this engine yet:
+such items get INVALID and the gateway carries on without drafts for them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafter_svc.engine import DRAFT_SLACK, apply_item
+from drafter_svc.types import ChainShape, Draft, DrafterStep, DrafterStepResult, DraftItem
+from specdec.errors import ErrorCode, SequenceError
+from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded, upload_list
+from specdec.model.eagle3 import Eagle3Head
+from specdec.model.kv_cache import KVCache
+from specdec.sequence_table import SequenceState, SequenceTable
+from specdec.tree import DraftTree
+
+
+class Eagle3DrafterEngine:
+    def __init__(self, head: Eagle3Head, embed_weight: torch.Tensor, max_sequences: int, max_context: int) -> None:
+        spec = head.spec.layer
+        self.head = head
+        self.embed = embed_weight                       # [V, h]: the target's token embeddings
+        self.device, self.dtype = embed_weight.device, embed_weight.dtype
+        self.aux_width = len(head.spec.aux_layers) * head.spec.target_hidden_size
+        self.max_context = min(max_context, spec.max_position_embeddings)
+        self.slot_len = self.max_context + DRAFT_SLACK
+        self.cache = KVCache(1, max_sequences + 1, self.slot_len, spec.num_kv_heads, spec.head_dim, self.dtype,
+                             self.device)
+        self.table = SequenceTable(max_sequences, spec.vocab_size, self.max_context)
+        self.rows: dict[str, torch.Tensor] = {}  # seq id -> target states [m, aux] of positions fed - 1 ..
+        self.fed: dict[str, int] = {}            # seq id -> head positions holding real pairs (q < fed)
+
+    def close(self, seq_ids: list[str]) -> None:
+        self.table.close_all(seq_ids)
+        for sid in seq_ids:
+            self.rows.pop(sid, None)
+            self.fed.pop(sid, None)
+
+    def step(self, req: DrafterStep) -> DrafterStepResult:
+        result = DrafterStepResult(req.step)
+        self.close(req.close)
+        ready: list[tuple[SequenceState, DraftItem]] = []
+        for item in req.items:
+            state = self._apply(item)
+            if isinstance(state, SequenceError):
+                result.errors.append(state)
+            else:
+                ready.append((state, item))
+        if ready:
+            for (s, it), chain in zip(ready, self._draft(ready)):
+                result.drafts.append(Draft(s.seq_id, len(s.tokens), len(it.assumed_ids), chain))
+        return result
+
+    def _apply(self, item: DraftItem) -> SequenceState | SequenceError:
+        rows = item.hidden
+        if not isinstance(item.shape, ChainShape):
+            return SequenceError(item.seq_id, ErrorCode.INVALID, "the EAGLE-3 drafter drafts chains only (for now)")
+        opening = self.table.get(item.seq_id) is None
+        have = 0 if opening else len(self.table.get(item.seq_id).tokens) - 1
+        want = item.committed_len - 1 - have  # target states of positions have .. committed_len - 2
+        got = 0 if rows is None else rows.shape[0]
+        if got != want or (rows is not None and rows.shape[-1] != self.aux_width):
+            return SequenceError(item.seq_id, ErrorCode.INVALID,
+                                 f"the EAGLE-3 drafter needs the target's hidden states of layers "
+                                 f"{list(self.head.spec.aux_layers)} for every committed token but the last: "
+                                 f"expected {want} rows of {self.aux_width}, got {got} (start the verifier with "
+                                 f"--aux-hidden-layers {','.join(map(str, self.head.spec.aux_layers))})")
+        state = apply_item(self.table, item, self.slot_len, self.max_context)
+        if isinstance(state, SequenceError):
+            return state
+        if opening:
+            self.fed[state.seq_id], self.rows[state.seq_id] = 0, rows.new_empty(0, self.aux_width)
+        if got:
+            self.rows[state.seq_id] = torch.cat([self.rows[state.seq_id], rows.to(self.device, self.dtype)])
+        return state
+
+    @torch.inference_mode()
+    def _draft(self, ready: list[tuple[SequenceState, DraftItem]]) -> list[DraftTree]:
+        states = [s for s, _ in ready]
+        slots = self.table.slots(states, self.device)
+        # 1. Real pairs: positions fed-1 .. len-2 (at least the last one, for its output).
+        starts, feeds, rows = [], [], []
+        for s in states:
+            start = min(self.fed[s.seq_id], len(s.tokens) - 2)
+            pending = self.rows[s.seq_id]
+            starts.append(start)
+            feeds.append(s.tokens[start + 1:])
+            rows.append(pending[pending.shape[0] - len(feeds[-1]):])
+            self.fed[s.seq_id] = len(s.tokens) - 1
+            self.rows[s.seq_id] = pending[-1:]  # keep the last: the next step may need its output again
+        tokens, lengths = ragged_to_padded(feeds, 0, self.device)
+        n = tokens.shape[1]
+        hidden = torch.zeros(len(states), n, self.aux_width, dtype=self.dtype, device=self.device)
+        for i, r in enumerate(rows):
+            hidden[i, : r.shape[0]] = r
+        start = upload_list(starts, self.device)
+        pos = (start[:, None] + torch.arange(n, device=self.device)).clamp(max=self.slot_len - 1)
+        batch = ForwardBatch.build(tokens, pos, slots, pos, start, causal_region(lengths, n),
+                                   kv_len=min(max(starts) + n, self.slot_len))
+        logits, out = self.head(batch, self.cache, self.embed[tokens], hidden, from_target=True)
+        last = torch.arange(len(states), device=self.device), lengths - 1
+        logits, out = logits[last], out[last]                         # [B, Vd], [B, h]
+        # 2. Assumed tokens, then the chain: each fed with the head's own previous output.
+        assumed = [it.assumed_ids for _, it in ready]
+        ks = [it.shape.k for _, it in ready]
+        steps = max(len(a) + k for a, k in zip(assumed, ks))
+        forced = torch.full((len(states), steps), -1, dtype=torch.long)
+        for i, a in enumerate(assumed):
+            forced[i, : len(a)] = torch.tensor(a, dtype=torch.long)
+        forced = forced.to(self.device)
+        write = upload_list([len(s.tokens) - 1 for s in states], self.device)  # next head position
+        picked, logps = [], []
+        for t in range(steps):
+            logp = torch.log_softmax(logits, -1)
+            best = logp.argmax(-1)
+            target = torch.where(forced[:, t] >= 0, forced[:, t], self.head.to_target_ids(best))
+            picked.append(target)
+            logps.append(logp.gather(1, best[:, None])[:, 0])
+            if t == steps - 1:
+                break
+            p = (write + t).clamp(max=self.slot_len - 1)[:, None]
+            batch = ForwardBatch(target[:, None], p, slots, p, p[:, 0],
+                                 torch.ones(len(states), 1, 1, dtype=torch.bool, device=self.device), self.slot_len)
+            logits, out = self.head(batch, self.cache, self.embed[target[:, None]], out[:, None], from_target=False)
+            logits, out = logits[:, 0], out[:, 0]
+        tok_rows, lp_rows = torch.stack(picked, 1).tolist(), torch.stack(logps, 1).tolist()
+        return [DraftTree.chain(row[len(a):len(a) + k], lp[len(a):len(a) + k])
+                for row, lp, a, k in zip(tok_rows, lp_rows, assumed, ks)]

@@ -1,0 +1,100 @@
+"""EAGLE-3 drafter engine: the target's hidden states arrive with the committed tokens (rows for
+all positions but the last), the head's KV of real pairs is kept across steps and its drafted
+positions are redone from real states later, overlap pre-drafts feed the head's own outputs for
+assumed tokens -- and every draft of one long-lived sequence equals a fresh engine's draft from
+the whole context (so the incremental bookkeeping is exact). The first drafted token is the
+published architecture's argmax mapped through d2t. Missing hidden states and trees are refused."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from test_eagle3_head import reference, write_head
+
+from drafter_svc.eagle3_engine import Eagle3DrafterEngine
+from drafter_svc.types import ChainShape, DraftItem, DrafterStep, TreeShape
+from specdec.model.batch import ForwardBatch, causal_region
+from specdec.model.eagle3 import load_eagle3
+from specdec.model.kv_cache import KVCache
+from specdec.model.loader import load_model
+
+
+def setup(checkpoints, tmp_path):
+    target_dir = checkpoints["llama-gqa"]
+    write_head(target_dir, tmp_path / "head")
+    target = load_model(target_dir, torch.float64, torch.device("cpu"))
+    return target, tmp_path / "head"
+
+
+def engine(target, head_dir) -> Eagle3DrafterEngine:
+    head = load_eagle3(head_dir, target.spec, torch.float64, torch.device("cpu"))
+    return Eagle3DrafterEngine(head, target.model.embed_tokens.weight, max_sequences=3, max_context=128)
+
+
+def target_states(target, aux, tokens: list[int]) -> torch.Tensor:
+    """What the verifier's verdicts carry for a committed sequence: [len - 1, aux width]."""
+    s = target.spec
+    cache = KVCache(s.num_layers, 1, 160, s.num_kv_heads, s.head_dim, torch.float64, torch.device("cpu"))
+    n = len(tokens) - 1
+    pos = torch.arange(n)[None]
+    batch = ForwardBatch.build(torch.tensor([tokens[:-1]]), pos, torch.tensor([0]), pos, torch.tensor([0]),
+                               causal_region(torch.tensor([n]), n))
+    return target.forward_with_aux(batch, cache, aux)[1][0]
+
+
+def test_incremental_drafts_equal_drafting_from_scratch(checkpoints, tmp_path):
+    target, head_dir = setup(checkpoints, tmp_path)
+    eng = engine(target, head_dir)
+    aux = eng.head.spec.aux_layers
+    rng = random.Random(4)
+    context = [5, 6, 7, 9]
+    sent = 0
+    for step in range(1, 16):
+        states = target_states(target, aux, context)
+        assumed = [rng.randrange(380) for _ in range(rng.choice([0, 0, 1, 3]))]
+        k = rng.choice([1, 2, 4])
+        rows = states[max(0, sent - 1):]  # opening: all; later: the appended tokens' predecessors
+        res = eng.step(DrafterStep(step, [DraftItem("s", len(context), context[sent:], assumed, ChainShape(k),
+                                                    hidden=rows)]))
+        assert not res.errors, res.errors
+        sent = len(context)
+        fresh = engine(target, head_dir).step(DrafterStep(1, [DraftItem(
+            "s", len(context), context, assumed, ChainShape(k), hidden=states)]))
+        assert res.drafts[0].tree.token_ids == fresh.drafts[0].tree.token_ids, f"step {step}"
+        assert res.drafts[0].assumed_len == len(assumed)
+        drafted = res.drafts[0].tree.token_ids
+        kept = drafted[: rng.randrange(len(drafted) + 1)] if not assumed else []
+        context += kept + [rng.randrange(380)] * rng.choice([0, 1, 1])
+
+
+def test_first_draft_is_the_architectures_argmax(checkpoints, tmp_path):
+    import json
+
+    target, head_dir = setup(checkpoints, tmp_path)
+    eng = engine(target, head_dir)
+    tokens = [3, 14, 15, 92, 65, 35]
+    states = target_states(target, eng.head.spec.aux_layers, tokens)
+    res = eng.step(DrafterStep(1, [DraftItem("s", len(tokens), tokens, [], ChainShape(1), hidden=states)]))
+    head_state = {k: v.double() if v.is_floating_point() else v for k, v in eng.head.state_dict().items()}
+    cfg = json.loads((head_dir / "config.json").read_text())
+    with torch.no_grad():
+        embeds = target.model.embed_tokens.weight[torch.tensor(tokens[1:])]
+        logits, _ = reference(head_state, cfg, embeds, states)
+    want = int(eng.head.to_target_ids(logits[-1].argmax()[None])[0])
+    assert res.drafts[0].tree.token_ids == [want]
+    assert abs(res.drafts[0].tree.logprobs[0] - float(torch.log_softmax(logits[-1], -1).max())) < 1e-9
+
+
+def test_missing_states_and_trees_are_refused(checkpoints, tmp_path):
+    target, head_dir = setup(checkpoints, tmp_path)
+    eng = engine(target, head_dir)
+    tokens = [1, 2, 3]
+    res = eng.step(DrafterStep(1, [
+        DraftItem("a", 3, tokens, [], ChainShape(2)),                                   # no states at all
+        DraftItem("b", 3, tokens, [], ChainShape(2), hidden=torch.zeros(1, eng.aux_width)),  # one row short
+        DraftItem("c", 3, tokens, [], TreeShape(2, 2, 3), hidden=torch.zeros(2, eng.aux_width)),
+    ]))
+    assert [e.code.name for e in res.errors] == ["INVALID"] * 3 and not res.drafts
+    assert "--aux-hidden-layers" in res.errors[0].message
+    assert len(eng.table) == 0  # nothing was opened
