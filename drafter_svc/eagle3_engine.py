@@ -139,3 +139,15 @@ class Eagle3DrafterEngine:
         tok_rows, lp_rows = torch.stack(picked, 1).tolist(), torch.stack(logps, 1).tolist()
         return [DraftTree.chain(row[len(a):len(a) + k], lp[len(a):len(a) + k])
                 for row, lp, a, k in zip(tok_rows, lp_rows, assumed, ks)]
+
+
+def build_eagle3_drafter(target_dir, head_dir, dtype: torch.dtype, device: torch.device, max_sequences: int,
+                         max_context: int) -> Eagle3DrafterEngine:
+    """The head from head_dir (published layout) and the target's embeddings from target_dir."""
+    from specdec.model.eagle3 import load_eagle3
+    from specdec.model.loader import load_embeddings
+    from specdec.model.spec import ModelSpec
+
+    head = load_eagle3(head_dir, ModelSpec.from_pretrained(target_dir), dtype, device)
+    return Eagle3DrafterEngine(head, load_embeddings(target_dir, dtype, device), max_sequences, max_context)
+

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from drafter_svc.types import ChainShape, DrafterStep, DrafterStepResult, DraftItem, TreeShape
 from specdec.rpc import drafter_pb2, drafter_pb2_grpc
-from specdec.rpc.convert import error_to_proto, sampling_from_proto, tree_to_proto
+from specdec.rpc.convert import error_to_proto, payload_to_tensor, sampling_from_proto, tree_to_proto
 from specdec.step_servicer import StepStreamServicer
 
 
@@ -13,8 +13,9 @@ def item_from_proto(m: drafter_pb2.DraftItem) -> DraftItem:
         shape: ChainShape | TreeShape = TreeShape(m.tree.topk, m.tree.depth, m.tree.budget)
     else:
         shape = ChainShape(m.chain.k)
+    hidden = payload_to_tensor(m.hidden_states) if m.HasField("hidden_states") else None
     return DraftItem(m.seq_id, m.committed_len, list(m.append_ids), list(m.assumed_ids), shape,
-                     sampling_from_proto(m.sampling))
+                     sampling_from_proto(m.sampling), hidden)
 
 
 class DrafterServicer(StepStreamServicer, drafter_pb2_grpc.DrafterServicer):

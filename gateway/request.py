@@ -88,6 +88,9 @@ class ActiveRequest:
     drafter_len: int = 0                        # committed tokens the drafter has been sent
     draft: DraftTree | None = None              # ready for the next verify, made from len(tokens)
     predraft: DraftTree | None = None           # chain overlap: made assuming the in-flight draft passes
+    # EAGLE-3: the verifier's hidden-state rows (TensorPayload) of committed tokens not yet sent to
+    # the drafter -- they travel with the next item's append_ids.
+    hidden_rows: list = field(default_factory=list)
     stats: Stats = field(default_factory=Stats)
     cancelled: bool = False
     finished: bool = False

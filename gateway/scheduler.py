@@ -21,7 +21,7 @@ from gateway.backends import BackendLost, StepStream
 from gateway.hold import NO_HOLD, POLL_SECONDS, HoldGate
 from gateway.request import ActiveRequest, Event, Mode
 from specdec.errors import ErrorCode
-from specdec.rpc import drafter_pb2, verifier_pb2
+from specdec.rpc import common_pb2, drafter_pb2, verifier_pb2
 from specdec.rpc.convert import error_from_proto, sampling_to_proto, tree_from_proto, tree_to_proto
 from specdec.tree import DraftTree
 
@@ -107,7 +107,8 @@ class Scheduler:
             step=self.step_no,
             open=[verifier_pb2.OpenSequence(
                 seq_id=r.seq_id, prompt_ids=r.tokens, sampling=sampling_to_proto(r.sampling),
-                share_prefill_with=r.prefill_leader if r.prefill_leader in opened else "") for r in opens],
+                share_prefill_with=r.prefill_leader if r.prefill_leader in opened else "",
+                want_hidden_states=r.mode != Mode.OFF) for r in opens],
             verify=[verifier_pb2.VerifyItem(seq_id=r.seq_id, committed_len=len(r.tokens),
                                             draft=tree_to_proto(r.draft or DraftTree())) for r in continuing],
             close=self.close_verifier,
@@ -153,6 +154,9 @@ class Scheduler:
                 item.tree.topk, item.tree.depth, item.tree.budget = spec.topk, spec.depth, spec.budget
             else:
                 item.chain.k = spec.k
+            if r.hidden_rows:  # the verifier's states of exactly the appended tokens' predecessors
+                item.hidden_states.CopyFrom(concat_payloads(r.hidden_rows))
+                r.hidden_rows = []
             r.drafter_len = len(r.tokens)
             items.append(item)
         msg = drafter_pb2.DraftStepRequest(step=self.step_no * 2 + int(predraft), items=items,
@@ -182,7 +186,7 @@ class Scheduler:
     def _stop_speculating(self, r: ActiveRequest) -> None:
         if r.drafter_len:
             self.close_drafter[r.drafter].append(r.seq_id)
-        r.mode, r.draft, r.predraft, r.drafter_len = Mode.OFF, None, None, 0
+        r.mode, r.draft, r.predraft, r.drafter_len, r.hidden_rows = Mode.OFF, None, None, 0, []
 
     def _drafter_lost(self, address: str, reason: str) -> None:
         affected = [r for r in self.active.values() if r.drafter == address]
@@ -192,7 +196,7 @@ class Scheduler:
         self.close_drafter.pop(address, None)
         self.on_lost("drafter", address)
         for r in affected:  # a draft already made stays valid and is still verified
-            r.mode, r.predraft, r.drafter_len = Mode.OFF, None, 0
+            r.mode, r.predraft, r.drafter_len, r.hidden_rows = Mode.OFF, None, 0, []
 
     # ---- verdicts ----------------------------------------------------------------------------
     def _apply_verdicts(self, resp: verifier_pb2.VerifyStepResponse) -> None:
@@ -210,6 +214,8 @@ class Scheduler:
             if v.committed_len != len(r.tokens) + len(accepted):
                 self._fail(r, "INTERNAL", f"verifier and gateway disagree on the length of {r.seq_id}")
                 continue
+            if v.HasField("hidden_states") and r.mode != Mode.OFF:
+                r.hidden_rows.append(v.hidden_states)
             if len(r.tokens) > len(r.req.prompt_ids):  # a verify step, not the prefill
                 self._count_step(r, accepted, v.accepted_drafts)
             self._emit(r, accepted)
@@ -276,3 +282,10 @@ class Scheduler:
         self.close_drafter.clear()
         for stream in self.drafters.values():
             stream.reset()
+
+
+def concat_payloads(parts: list[common_pb2.TensorPayload]) -> common_pb2.TensorPayload:
+    """Row-wise concatenation of [m_i, w] payloads of one dtype, without decoding them."""
+    first = parts[0]
+    return common_pb2.TensorPayload(dtype=first.dtype, shape=[sum(p.shape[0] for p in parts), *first.shape[1:]],
+                                    data=b"".join(p.data for p in parts))

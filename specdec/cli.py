@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--tp", type=int, default=int(env("VERIFIER_TP", "1")), help="tensor-parallel ranks of the verifier")
     s.add_argument("--max-sequences", type=int, default=int(env("MAX_SEQUENCES", "32")))
     s.add_argument("--max-context", type=int, default=int(env("MAX_CONTEXT", "2048")))
+    s.add_argument("--eagle3-head", default=env("EAGLE3_HEAD"),
+                   help="draft with this EAGLE-3 head (published layout) instead of --draft; the verifier then "
+                        "sends the head's hidden-state layers with its verdicts")
     s.add_argument("--batch-invariant", action="store_true", default=env("BATCH_INVARIANT", "0") not in ("0", "false", "no"),
                    help="verifier with batch-invariant kernels: every mode bit-identical to mode off in bf16 (slower)")
 

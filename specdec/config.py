@@ -64,6 +64,7 @@ class EngineServiceConfig:
     controlled: ControlledAcceptance | None = None  # drafter only: benchmarks' known acceptance
     batch_invariant: bool = False  # batch-invariant matmuls and attention (bit-identical modes)
     aux_hidden_layers: tuple[int, ...] = ()  # verifier: layer inputs whose hidden states verdicts carry
+    eagle3_head: Path | None = None  # drafter: an EAGLE-3 head (--model is then the target checkpoint)
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
@@ -95,6 +96,10 @@ class EngineServiceConfig:
                                 "verdict carries for the tokens it commits, for an EAGLE-3 drafter; e.g. 2,16,29 "
                                 "(env SPECDEC_AUX_HIDDEN_LAYERS; default none)")
         if role == "drafter":
+            p.add_argument("--eagle3-head", metavar="DIR", default=env("EAGLE3_HEAD"),
+                           help="draft with this EAGLE-3 head (the published checkpoint layout) instead of a draft "
+                                "model; --model is then the TARGET checkpoint (for its embeddings), and the verifier "
+                                "must run with --aux-hidden-layers set to the head's layers (env SPECDEC_EAGLE3_HEAD)")
             g = p.add_argument_group("controlled acceptance (benchmarks only)")
             g.add_argument("--controlled-acceptance", metavar="FILE", default=env("CONTROLLED_ACCEPTANCE"),
                            help="reference file (prompt ids -> the target's mode-off output ids, written by "
@@ -119,7 +124,8 @@ class EngineServiceConfig:
             raise SystemExit("--acceptance needs --controlled-acceptance FILE")
         return cls(role, model_dir, a.listen, a.device, a.dtype, a.max_sequences, a.max_context,
                    a.max_draft_tokens, a.tp, a.cuda_graphs, controlled, getattr(a, "batch_invariant", False),
-                   parse_layers(getattr(a, "aux_hidden_layers", "")))
+                   parse_layers(getattr(a, "aux_hidden_layers", "")),
+                   Path(a.eagle3_head) if getattr(a, "eagle3_head", None) else None)
 
 
 def parse_layers(text: str) -> tuple[int, ...]:

@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from specdec.config import EngineServiceConfig
 from specdec.log import configure_logging
 from specdec.model.cuda_graphs import DEFAULT_QUERY_LENS
+from specdec.model.loader import DTYPES
 from specdec.model.parallel import TPLayout
 from specdec.model.spec import ModelSpec
 from specdec.rpc import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
@@ -23,7 +26,8 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
     log.info("loading model", model=str(cfg.model_dir), device=cfg.device, dtype=cfg.dtype, tp=cfg.tp)
     from specdec.tensor_parallel import build_runner
 
-    runner = build_runner(cfg, log)
+    eagle3 = cfg.role == "drafter" and cfg.eagle3_head is not None
+    runner = None if eagle3 else build_runner(cfg, log)  # an EAGLE-3 drafter needs only the head
     # Every engine call (and so every collective) runs on this one thread, shutdown included.
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{cfg.role}-engine")
     info = common_pb2.ServiceInfo(
@@ -48,7 +52,13 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
         from drafter_svc.servicer import DrafterServicer
         from drafter_svc.warmup import warm_up
 
-        if cfg.controlled is None:
+        if eagle3:
+            from drafter_svc.eagle3_engine import build_eagle3_drafter
+
+            engine = build_eagle3_drafter(cfg.model_dir, cfg.eagle3_head, DTYPES[cfg.dtype], torch.device(cfg.device),
+                                          cfg.max_sequences, cfg.max_context)
+            log.info("EAGLE-3 head", head=str(cfg.eagle3_head), aux_layers=list(engine.head.spec.aux_layers))
+        elif cfg.controlled is None:
             engine = DrafterEngine(runner, cfg.max_sequences, cfg.max_context)
         else:  # benchmarks: known acceptance, real draft cost
             from drafter_svc.controlled import ControlledAcceptanceDrafter
@@ -66,7 +76,7 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
         await state.set_serving(False)
         loop = asyncio.get_running_loop()
         try:
-            if cfg.cuda_graphs and cfg.device == "cuda" and cfg.tp == 1:
+            if cfg.cuda_graphs and cfg.device == "cuda" and cfg.tp == 1 and runner is not None:
                 if cfg.role == "drafter":  # catch-up feeds and whole greedy chains
                     await loop.run_in_executor(executor, engine.capture_cuda_graphs, log)
                 else:  # chains and trees of up to max_draft_tokens nodes plus the root
@@ -83,5 +93,6 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
     try:
         run(serve(cfg.listen, register, log, on_start))
     finally:
-        executor.submit(runner.shutdown).result()
+        if runner is not None:
+            executor.submit(runner.shutdown).result()
         executor.shutdown()

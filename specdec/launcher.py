@@ -27,13 +27,21 @@ def serve_all(args, target: Path, draft: Path) -> int:
     base = [sys.executable, "-m", "specdec.cli"]
     device = [*(["--device", args.device] if args.device else []), *(["--dtype", args.dtype] if args.dtype else [])]
     limits = ["--max-sequences", str(args.max_sequences), "--max-context", str(args.max_context)]
+    verifier_flags = ["--batch-invariant"] if args.batch_invariant else []
+    drafter_flags = ["--model", str(draft)]
+    if args.eagle3_head:  # the drafter reads the target's embeddings; the verifier sends the head's layers
+        from specdec.model.eagle3 import Eagle3Spec
+        from specdec.model.spec import ModelSpec
+
+        layers = Eagle3Spec.from_pretrained(args.eagle3_head, ModelSpec.from_pretrained(target)).aux_layers
+        verifier_flags += ["--aux-hidden-layers", ",".join(map(str, layers))]
+        drafter_flags = ["--model", str(target), "--eagle3-head", str(args.eagle3_head)]
     children: list[tuple[str, list[str], str | None]] = [
         ("verifier", [*base, "verifier", "--model", str(target), "--listen", verifier_addr, *device, *limits,
-                      "--tp", str(args.tp), *(["--batch-invariant"] if args.batch_invariant else [])],
-         args.verifier_gpus),
+                      "--tp", str(args.tp), *verifier_flags], args.verifier_gpus),
     ]
     if not args.no_drafter:
-        children.append(("drafter", [*base, "drafter", "--model", str(draft), "--listen", drafter_addr, *device, *limits],
+        children.append(("drafter", [*base, "drafter", *drafter_flags, "--listen", drafter_addr, *device, *limits],
                          args.drafter_gpus))
     children.append(("gateway", [*base, "gateway", "--listen", args.listen, "--verifier", verifier_addr,
                                  "--drafter", "none" if args.no_drafter else drafter_addr, "--target", str(target)],

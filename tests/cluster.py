@@ -60,6 +60,7 @@ class Cluster:
     def __init__(self, target: Path, draft: Path | None, device: str = "cpu", dtype: str = "float64",
                  log_dir: Path | None = None, extra: list[str] | None = None,
                  verifier_extra: list[str] | None = None, verifiers: int = 1, drafters: int = 1,
+                 drafter_extra: list[str] | None = None,
                  gateway_extra: list[str] | None = None, hold: bool = False) -> None:
         base = [sys.executable, "-m", "specdec.cli"]
         dev = ["--device", device, "--dtype", dtype, *(extra or [])]
@@ -71,7 +72,8 @@ class Cluster:
             self.commands[name] = [*base, "verifier", "--model", str(target), "--listen", self.addr[name], *dev,
                                    *(verifier_extra or [])]
         for name in names["drafter"]:
-            self.commands[name] = [*base, "drafter", "--model", str(draft), "--listen", self.addr[name], *dev]
+            self.commands[name] = [*base, "drafter", "--model", str(draft), "--listen", self.addr[name], *dev,
+                                   *(drafter_extra or [])]
         # The gateway's test-only hold hook (gateway/hold.py): see hold() and release().
         self.hold_dir = Path(tempfile.mkdtemp(prefix="specdec-hold-")) if hold else None
         self.commands["gateway"] = [

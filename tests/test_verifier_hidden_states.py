@@ -44,8 +44,8 @@ def test_verdict_hidden_states_tile_the_sequence_and_equal_hf(graphed, checkpoin
     eng = engine(path, graphed)
     rng = random.Random(3)
     prompts = {"a": [5, 6, 7, 8], "b": [100, 3], "c": [5, 6, 7, 8]}  # c shares a's prefill
-    res = eng.step(VerifierStep(0, open=[OpenSequence(s, p, share_prefill_with="a" if s == "c" else "")
-                                         for s, p in prompts.items()]))
+    res = eng.step(VerifierStep(0, open=[OpenSequence(s, p, share_prefill_with="a" if s == "c" else "",
+                                                      want_hidden=True) for s, p in prompts.items()]))
     tokens = {v.seq_id: list(prompts[v.seq_id]) + v.accepted_ids for v in res.verdicts}
     hidden = {v.seq_id: [v.hidden] for v in res.verdicts}
     scattered, accepted = 0, 0
@@ -92,7 +92,8 @@ def test_payload_round_trip(dtype):
 def test_servicer_ships_the_hidden_states(checkpoints):
     eng = engine(checkpoints["llama-gqa"], False)
     servicer = VerifierServicer.__new__(VerifierServicer)
-    res = eng.step(VerifierStep(0, open=[OpenSequence("a", [1, 2, 3])]))
+    res = eng.step(VerifierStep(0, open=[OpenSequence("a", [1, 2, 3], want_hidden=True), OpenSequence("b", [4, 5])]))
+    assert res.verdicts[1].hidden is None  # only who asks gets them
     msg = servicer.result_to_proto(res)
     assert torch.equal(payload_to_tensor(msg.verdicts[0].hidden_states), res.verdicts[0].hidden)
     assert list(msg.verdicts[0].hidden_states.shape) == [3, len(AUX) * eng.spec.hidden_size]

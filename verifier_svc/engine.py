@@ -28,6 +28,7 @@ class VerifierEngine:
         if not all(0 <= i <= spec.num_layers for i in aux_layers):
             raise ValueError(f"aux hidden-state layers {list(aux_layers)} must lie in 0..{spec.num_layers}")
         runner.aux_layers = tuple(aux_layers)
+        self.hidden_wanted: set[str] = set()  # sequences whose verdicts carry hidden states
         self.runner = runner
         self.spec = spec
         self.device = runner.device
@@ -39,6 +40,7 @@ class VerifierEngine:
 
     def close(self, seq_ids: list[str]) -> None:
         self.table.close_all(seq_ids)
+        self.hidden_wanted.difference_update(seq_ids)
 
     def step(self, req: VerifierStep) -> VerifierStepResult:
         result = VerifierStepResult(req.step)
@@ -52,6 +54,8 @@ class VerifierEngine:
                 result.errors.append(state)
             else:
                 state.sampling = o.sampling
+                if o.want_hidden and self.runner.aux_layers:
+                    self.hidden_wanted.add(o.seq_id)
                 opened.append((state, o.share_prefill_with))
         if opened:
             result.verdicts += self._prefill(opened)
@@ -111,7 +115,8 @@ class VerifierEngine:
         hidden = aux.cpu() if aux is not None else None  # after the read-back above: no extra wait
         out = []
         for s, tok in zip(states, first):
-            h = hidden[row[leader_of[s.seq_id].seq_id], :len(s.tokens)] if hidden is not None else None
+            wanted = hidden is not None and s.seq_id in self.hidden_wanted
+            h = hidden[row[leader_of[s.seq_id].seq_id], :len(s.tokens)] if wanted else None
             s.tokens.append(tok)
             out.append(Verdict(s.seq_id, len(s.tokens), [tok], 0, h))
         return out
@@ -176,5 +181,6 @@ class VerifierEngine:
         for i, (s, (*row, a, bonus, _)) in enumerate(zip(states, rows)):
             new = row[:a] + [bonus]
             s.tokens += new
-            out.append(Verdict(s.seq_id, len(s.tokens), new, a, hidden[i, :a + 1] if hidden is not None else None))
+            wanted = hidden is not None and s.seq_id in self.hidden_wanted
+            out.append(Verdict(s.seq_id, len(s.tokens), new, a, hidden[i, :a + 1] if wanted else None))
         return out

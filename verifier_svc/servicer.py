@@ -12,8 +12,8 @@ class VerifierServicer(StepStreamServicer, verifier_pb2_grpc.VerifierServicer):
     def step_from_proto(self, msg: verifier_pb2.VerifyStepRequest) -> VerifierStep:
         return VerifierStep(
             step=msg.step,
-            open=[OpenSequence(o.seq_id, list(o.prompt_ids), sampling_from_proto(o.sampling), o.share_prefill_with)
-                  for o in msg.open],
+            open=[OpenSequence(o.seq_id, list(o.prompt_ids), sampling_from_proto(o.sampling), o.share_prefill_with,
+                               o.want_hidden_states) for o in msg.open],
             verify=[VerifyItem(v.seq_id, v.committed_len, tree_from_proto(v.draft)) for v in msg.verify],
             close=list(msg.close),
         )

@@ -17,6 +17,7 @@ class OpenSequence:
     prompt_ids: list[int]
     sampling: SamplingParams = GREEDY
     share_prefill_with: str = ""  # a sequence opened in the same step with the same prompt
+    want_hidden: bool = False     # verdicts carry hidden states (when the engine has aux layers)
 
 
 @dataclass

@@ -88,3 +88,13 @@ def _read(st, name: str, layout: TPLayout, head_dim: int, as_name: str | None = 
     if pad:  # only the LM head's last shard: rows past the vocabulary
         part = torch.cat([part, part.new_zeros((pad, *part.shape[1:]))], dim=0)
     return part
+
+
+def load_embeddings(checkpoint_dir: str | Path, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The token embedding table [V, h] alone (an EAGLE-3 drafter shares the target's)."""
+    name = "model.embed_tokens.weight"
+    for f in sorted(Path(checkpoint_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            if name in st.keys():
+                return st.get_tensor(name).to(dtype).to(device)
+    raise FileNotFoundError(f"no {name} in the *.safetensors of {checkpoint_dir}")
