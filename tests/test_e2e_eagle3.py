@@ -35,6 +35,16 @@ def test_eagle3_chains_are_lossless(checkpoints, head, start_cluster):
         assert ids == want and final.stats.mode == "off"
 
 
+def test_eagle3_with_a_tensor_parallel_verifier(checkpoints, head, start_cluster):
+    """TP 2 (gloo): rank 0 captures the states of its full residual stream; the other rank runs
+    the same collectives without them."""
+    target = checkpoints["llama-gqa"]
+    cluster = start_cluster(target, target, verifier_extra=["--aux-hidden-layers", "1,2,3", "--tp", "2"],
+                            drafter_extra=["--eagle3-head", str(head)])
+    ids, final = cluster.generate(PROMPTS[2], 24, "chain", k=4)
+    assert ids == hf_greedy(target, PROMPTS[2], 24) and final.stats.mode == "chain" and final.stats.drafted > 0
+
+
 def test_eagle3_without_hidden_states_stays_lossless(checkpoints, head, start_cluster):
     target = checkpoints["llama-gqa"]
     cluster = start_cluster(target, target, drafter_extra=["--eagle3-head", str(head)])  # no --aux-hidden-layers
