@@ -96,8 +96,8 @@ class ReplicaSet:
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.healthy]
 
-    def least_loaded(self) -> Replica | None:
-        return min(self.healthy(), key=lambda r: r.load, default=None)
+    def least_loaded(self, usable=lambda replica: True) -> Replica | None:
+        return min((r for r in self.healthy() if usable(r)), key=lambda r: r.load, default=None)
 
     def mark_down(self, address: str) -> None:
         replica = self.replicas.get(address)

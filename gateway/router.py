@@ -41,6 +41,7 @@ class Router:
         self._tasks: set[asyncio.Task] = set()
         self._lost = asyncio.Event()  # a scheduler saw a replica's stream break: re-check now
         self.log = structlog.get_logger(service="gateway")
+        self._warned_pairs: set[tuple[str, str]] = set()  # (drafter, verifier) whose layers disagree
 
     async def wait_ready(self, timeout: float, poll: float = 0.5) -> None:
         """Until one verifier (and, if configured, one drafter) answers SERVING."""
@@ -110,8 +111,11 @@ class Router:
         sched = min(candidates, key=lambda s: s.load)
         if len(sched.pending) + len(samples) > self.max_queue:
             raise QueueFull(f"{len(sched.pending)} requests are already waiting; retry later")
+        verifier = self.verifiers.replicas[sched.verifier.address]
         for r in samples:
-            drafter = self.drafters.least_loaded() if self.drafters and r.mode != Mode.OFF else None
+            drafter = None
+            if self.drafters and r.mode != Mode.OFF:
+                drafter = self.drafters.least_loaded(lambda d: self._pairs_with(d, verifier))
             r.verifier = sched.verifier.address
             r.drafter = drafter.address if drafter else None
             self.verifiers.replicas[r.verifier].load += 1
@@ -119,6 +123,19 @@ class Router:
                 drafter.load += 1
             sched.submit(r)
         return sched
+
+    def _pairs_with(self, drafter: Replica, verifier: Replica) -> bool:
+        """An EAGLE-3 drafter only with a verifier that sends the hidden-state layers it needs."""
+        needs = list(drafter.info.aux_hidden_layers) if drafter.info else []
+        if not needs or verifier.info is None or needs == list(verifier.info.aux_hidden_layers):
+            return True
+        if (drafter.address, verifier.address) not in self._warned_pairs:
+            self._warned_pairs.add((drafter.address, verifier.address))
+            self.log.warning("drafter and verifier disagree on hidden-state layers: requests on this verifier run "
+                             "without that drafter (start the verifier with --aux-hidden-layers "
+                             f"{','.join(map(str, needs))})", drafter=drafter.address, verifier=verifier.address,
+                             verifier_sends=list(verifier.info.aux_hidden_layers))
+        return False
 
     def _on_done(self, r: ActiveRequest) -> None:
         for replicas, address in ((self.verifiers, r.verifier), (self.drafters, r.drafter)):

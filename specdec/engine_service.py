@@ -45,6 +45,7 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
         except ValueError as exc:
             raise SystemExit(f"verifier: {exc}") from exc
         info.max_context = engine.max_context
+        info.aux_hidden_layers.extend(cfg.aux_hidden_layers)
         servicer = VerifierServicer(engine, info, log, executor)
         register = lambda server: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)  # noqa: E731
     else:
@@ -58,6 +59,7 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
             engine = build_eagle3_drafter(cfg.model_dir, cfg.eagle3_head, DTYPES[cfg.dtype], torch.device(cfg.device),
                                           cfg.max_sequences, cfg.max_context)
             log.info("EAGLE-3 head", head=str(cfg.eagle3_head), aux_layers=list(engine.head.spec.aux_layers))
+            info.aux_hidden_layers.extend(engine.head.spec.aux_layers)
         elif cfg.controlled is None:
             engine = DrafterEngine(runner, cfg.max_sequences, cfg.max_context)
         else:  # benchmarks: known acceptance, real draft cost

@@ -3,7 +3,8 @@ target's hidden states (--aux-hidden-layers) with its verdicts, the gateway forw
 the committed tokens, the drafter drafting from a head in the published layout (--eagle3-head).
 Greedy output equals Hugging Face's greedy generate in chain mode with and without overlap, and
 speculation really ran. Tree requests (not drafted by the EAGLE-3 engine yet) finish losslessly
-in mode off. A verifier without the hidden states leaves the requests lossless too."""
+in mode off. A verifier that does not send the head's layers is not paired with the drafter
+(ServiceInfo says which layers each has), and its requests stay lossless in mode off."""
 
 from __future__ import annotations
 
@@ -48,5 +49,9 @@ def test_eagle3_with_a_tensor_parallel_verifier(checkpoints, head, start_cluster
 def test_eagle3_without_hidden_states_stays_lossless(checkpoints, head, start_cluster):
     target = checkpoints["llama-gqa"]
     cluster = start_cluster(target, target, drafter_extra=["--eagle3-head", str(head)])  # no --aux-hidden-layers
+    assert list(cluster.info("drafter").aux_hidden_layers) == [1, 2, 3]
+    assert list(cluster.info("verifier").aux_hidden_layers) == []
     ids, final = cluster.generate(PROMPTS[0], 16, "chain", k=4)
     assert ids == hf_greedy(target, PROMPTS[0], 16) and final.stats.mode == "off"
+    # the gateway did not pair them (rather than the drafter refusing each request)
+    assert "disagree on hidden-state layers" in (cluster.log_dir / "gateway.log").read_text()
