@@ -301,6 +301,29 @@ def test_tensor_parallel_verifier_follows_the_target_distribution(tiny, start_cl
     assert_same_alone(tp, jobs, results)
 
 
+# ---- e2. an EAGLE-3 drafter --------------------------------------------------------------------------------
+
+
+def test_eagle3_drafter_follows_the_target_distribution(tiny, start_cluster, tmp_path):
+    """Drafts from an EAGLE-3 head (random, in the published layout, a draft vocabulary of 4 of the
+    6 tokens) fed with the verifier's hidden states: point-mass drafts, so the verifier uses the
+    deterministic-children rule. Chain k = 2 with overlap, T = 0.9, top-k 4, N = 1024."""
+    from test_eagle3_head import write_head
+
+    target, _ = tiny
+    write_head(target, tmp_path / "head", aux=(0, 1, 1), draft_vocab=4)  # layer outputs -> inputs 1, 2, 2
+    eagle = start_cluster(target, target, extra=["--max-sequences", "512"],
+                          verifier_extra=["--aux-hidden-layers", "1,2,2"],
+                          drafter_extra=["--eagle3-head", str(tmp_path / "head")], gateway_extra=["--max-queue", "4096"])
+    prompt, params, tokens, n = [2, 5, 1], SamplingParams(0.9, 1.0, 4), 3, 1024
+    jobs = sampled_jobs(n // N_PER_REQUEST, prompt, tokens, "chain", {"k": 2}, params, 60_000)
+    results = run_batch(eagle, jobs)
+    assert all(f.stats.mode == "chain" and f.stats.drafted > 0 for r in results for f in r.finals)
+    assert_matches(counts_at(all_samples(results), (0, 1, 2)), exact_distribution(target, prompt, params, tokens),
+                   "eagle3")
+    assert_same_alone(eagle, jobs, results)
+
+
 # ---- f. the drafter lost mid-request (last: it kills the module cluster's drafter) ----------------------
 
 

@@ -22,13 +22,14 @@ from specdec.model.spec import ModelSpec
 DRAFT_VOCAB = 100
 
 
-def write_head(target_dir: Path, out: Path, fmt: str = "safetensors", aux=(0, 1, 2), seed: int = 0) -> dict:
+def write_head(target_dir: Path, out: Path, fmt: str = "safetensors", aux=(0, 1, 2), seed: int = 0,
+               draft_vocab: int = DRAFT_VOCAB) -> dict:
     """A random head for the target at target_dir, saved like the published ones; -> its weights."""
     cfg = json.loads((target_dir / "config.json").read_text())
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = h // heads
-    cfg.update(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=DRAFT_VOCAB,
+    cfg.update(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab,
                eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux)})
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(cfg))
@@ -37,7 +38,7 @@ def write_head(target_dir: Path, out: Path, fmt: str = "safetensors", aux=(0, 1,
     def w(*shape):
         return torch.randn(*shape, generator=g) * 0.2
 
-    targets = torch.randperm(cfg["vocab_size"], generator=g)[:DRAFT_VOCAB].sort().values
+    targets = torch.randperm(cfg["vocab_size"], generator=g)[:draft_vocab].sort().values
     t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
     t2d[targets] = True
     state = {
@@ -48,8 +49,8 @@ def write_head(target_dir: Path, out: Path, fmt: str = "safetensors", aux=(0, 1,
         "midlayer.self_attn.v_proj.weight": w(kv * d, 2 * h), "midlayer.self_attn.o_proj.weight": w(h, heads * d),
         "midlayer.mlp.gate_proj.weight": w(inter, h), "midlayer.mlp.up_proj.weight": w(inter, h),
         "midlayer.mlp.down_proj.weight": w(h, inter),
-        "norm.weight": 1 + w(h), "lm_head.weight": w(DRAFT_VOCAB, h),
-        "d2t": targets - torch.arange(DRAFT_VOCAB), "t2d": t2d,
+        "norm.weight": 1 + w(h), "lm_head.weight": w(draft_vocab, h),
+        "d2t": targets - torch.arange(draft_vocab), "t2d": t2d,
     }
     if fmt == "safetensors":
         save_file(state, str(out / "model.safetensors"))
