@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from drafter_svc.engine import DRAFT_SLACK, apply_item
+from drafter_svc.engine import DRAFT_SLACK, admit, apply_item
 from drafter_svc.types import ChainShape, Draft, DrafterStep, DrafterStepResult, DraftItem
 from specdec.errors import ErrorCode, SequenceError
 from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded, upload_list
@@ -50,15 +50,7 @@ class Eagle3DrafterEngine:
             self.fed.pop(sid, None)
 
     def step(self, req: DrafterStep) -> DrafterStepResult:
-        result = DrafterStepResult(req.step)
-        self.close(req.close)
-        ready: list[tuple[SequenceState, DraftItem]] = []
-        for item in req.items:
-            state = self._apply(item)
-            if isinstance(state, SequenceError):
-                result.errors.append(state)
-            else:
-                ready.append((state, item))
+        result, ready = admit(req, self._apply, self.close)
         if ready:
             for (s, it), chain in zip(ready, self._draft(ready)):
                 result.drafts.append(Draft(s.seq_id, len(s.tokens), len(it.assumed_ids), chain))

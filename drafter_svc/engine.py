@@ -61,15 +61,7 @@ class DrafterEngine:
         self.table.close_all(seq_ids)
 
     def step(self, req: DrafterStep) -> DrafterStepResult:
-        result = DrafterStepResult(req.step)
-        self.close(req.close)
-        ready: list[tuple[SequenceState, DraftItem]] = []
-        for item in req.items:
-            state = self._apply(item)
-            if isinstance(state, SequenceError):
-                result.errors.append(state)
-            else:
-                ready.append((state, item))
+        result, ready = admit(req, self._apply, self.close)
         if not ready:
             return result
         last_logits = self._catch_up(ready)  # [B, V]
@@ -221,3 +213,18 @@ def apply_item(table: SequenceTable, item: DraftItem, slot_len: int,
         return SequenceError(item.seq_id, ErrorCode.OUT_OF_CAPACITY,
                              f"sequence reached the drafter's context limit {max_context}")
     return state
+
+
+def admit(req: DrafterStep, apply, close) -> tuple[DrafterStepResult, list[tuple[SequenceState, DraftItem]]]:
+    """The start of a drafter step (shared by the drafter engines): close what the step closes,
+    apply each item -> the step's result holding the refusals, and the (state, item) pairs to draft."""
+    result = DrafterStepResult(req.step)
+    close(req.close)
+    ready = []
+    for item in req.items:
+        state = apply(item)
+        if isinstance(state, SequenceError):
+            result.errors.append(state)
+        else:
+            ready.append((state, item))
+    return result, ready

@@ -112,7 +112,8 @@ class VerifierEngine:
         states = [s for s, _ in opened]
         logits = logits[[row[leader_of[s.seq_id].seq_id] for s in states]]      # [B, 1, V]
         first = self._sample_next(states, logits[:, 0]).tolist()
-        hidden = aux.cpu() if aux is not None else None  # after the read-back above: no extra wait
+        wanted = aux is not None and any(s.seq_id in self.hidden_wanted for s in states)
+        hidden = aux.cpu() if wanted else None  # after the read-back above: no extra wait
         out = []
         for s, tok in zip(states, first):
             wanted = hidden is not None and s.seq_id in self.hidden_wanted
@@ -171,7 +172,7 @@ class VerifierEngine:
         rows = torch.cat([accepted, torch.stack([verdict.accept_len, verdict.bonus, scattered.long()], 1)], 1)
         rows = rows.tolist()
         hidden = None
-        if aux is not None:  # the root's and the accepted nodes' states, in path order
+        if aux is not None and any(s.seq_id in self.hidden_wanted for s in states):  # root + accepted nodes, in order
             path = verdict.path.clamp(min=0)
             hidden = torch.gather(aux, 1, path[:, :, None].expand(-1, -1, aux.shape[-1])).cpu()
         if any(row[-1] for row in rows):  # compact the accepted path's KV into a dense prefix
