@@ -54,6 +54,11 @@ def main(argv: list[str] | None = None) -> None:
 
     add_generate_arguments(c)
 
+    t = sub.add_parser("train-drafter", help="train an EAGLE-3 draft head for a target (self-distillation)")
+    from specdec.train.cli import add_arguments as add_train_arguments
+
+    add_train_arguments(t)
+
     h = sub.add_parser("health", help="exit 0 if a service's gRPC health check says SERVING (container healthcheck)")
     h.add_argument("--address", default=env("HEALTH_ADDR", "127.0.0.1:50051"))
     h.add_argument("--timeout", type=float, default=3.0)
@@ -75,6 +80,12 @@ def main(argv: list[str] | None = None) -> None:
 
         tok = args.tokenizer or args.target or str(default_models(None, None)[0])
         run_gateway(GatewayConfig.from_args(args, Path(tok)))
+    elif args.command == "train-drafter":
+        from specdec.train.cli import config_from_args, print_report
+        from specdec.train.trainer import train_drafter
+
+        cfg = config_from_args(args, Path(args.target) if args.target else default_models(None, None)[0])
+        print_report(train_drafter(cfg), cfg.out)
     elif args.command == "health":
         from specdec.client import check_health
 

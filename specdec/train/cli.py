@@ -1,0 +1,60 @@
+"""Arguments of `specdec train-drafter` and the report it prints."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from pathlib import Path
+
+from specdec.train.trainer import TrainDrafterConfig, TrainReport
+
+DEFAULTS = TrainDrafterConfig(Path("."), Path("."))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
+    p.add_argument("--target", default=None, help="target checkpoint dir (default: the embedded SmolLM2)")
+    p.add_argument("--out", required=True, help="where the head is saved (config.json, model.safetensors)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--seed", type=int, default=d.seed, help="fixes the prompt set, the split and the initial weights")
+    p.add_argument("--data", default=None, help="reuse the training sequences an earlier run saved with --save-data")
+    p.add_argument("--save-data", default=None, help="save the training sequences (token ids) to this file")
+    p.add_argument("--text", nargs="*", default=[], help="local text files to learn from as well (every position)")
+    p.add_argument("--prompts", type=int, default=None, help="built-in training prompts to answer (default: all)")
+    p.add_argument("--self-instruct", type=int, default=d.self_instruct,
+                   help="prompts the target writes itself (self-instruct); 0 to skip")
+    p.add_argument("--heldout", type=int, default=d.heldout, help="held-out prompts for the acceptance report")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="longest self-distilled answer")
+    p.add_argument("--gen-batch", type=int, default=d.gen_batch, help="prompts answered per generate batch")
+    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab, help="draft vocabulary size")
+    p.add_argument("--aux-layers", default=None,
+                   help="target layer inputs whose hidden states the head reads, e.g. 2,15,27 (default low/mid/high)")
+    p.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="draft positions unrolled in training")
+    p.add_argument("--epochs", type=float, default=d.epochs)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--batch-tokens", type=int, default=d.batch_tokens, help="padded tokens per training batch")
+    p.add_argument("--max-len", type=int, default=d.max_len, help="longest training sequence (tokens)")
+    p.add_argument("--eval-k", type=int, default=d.eval_k, help="draft positions in the held-out report")
+    p.add_argument("--save-dtype", default=d.save_dtype, choices=["bfloat16", "float16", "float32"])
+
+
+def config_from_args(a: argparse.Namespace, target: Path) -> TrainDrafterConfig:
+    aux = tuple(int(x) for x in a.aux_layers.split(",")) if a.aux_layers else None
+    return TrainDrafterConfig(
+        target, Path(a.out), a.device, a.seed, Path(a.data) if a.data else None,
+        Path(a.save_data) if a.save_data else None, tuple(Path(t) for t in a.text), a.prompts, a.self_instruct,
+        a.heldout, a.max_new_tokens, a.gen_batch, a.draft_vocab, aux, a.ttt_steps, DEFAULTS.decay, a.epochs,
+        a.lr, a.batch_tokens, a.max_len, a.eval_k, a.save_dtype)
+
+
+def print_report(report: TrainReport, out: Path) -> None:
+    digest = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    print(f"trained {report.steps} steps in {report.seconds:.0f} s on {report.sequences} sequences "
+          f"({report.tokens} tokens); final loss {report.final_loss:.3f}")
+    print(f"draft vocabulary {report.draft_vocab} tokens, covering {report.vocab_coverage:.1%} of answer tokens")
+    print(f"held-out ({report.heldout_sequences} answers), greedy chain acceptance per draft position:")
+    for j, a in enumerate(report.heldout_acceptance):
+        print(f"  position {j + 1}: {a:.3f}")
+    print(f"held-out mean accepted length, chain of {len(report.heldout_acceptance)}: "
+          f"{report.heldout_mean_accepted_length:.2f}")
+    print(f"saved {out}/model.safetensors  sha256 {digest}")

@@ -1,0 +1,97 @@
+"""Training sequences for a draft head: the target's own greedy answers (self-distillation), or local text.
+
+A Sample is one token sequence and where its answer starts: positions before `answer_start` are
+the prompt (context only), the rest are what the head learns to draft. Self-distilled answers are
+the target's greedy continuations, so during training a drafted position's input token is exactly
+what the head sees at inference when its earlier drafts were accepted.
+
+Generation is Hugging Face `generate` (greedy, batched with left padding, prompts sorted by
+length so batches pad little); it is the reference the server is lossless against anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+
+@dataclass(frozen=True)
+class Sample:
+    ids: list[int]
+    answer_start: int   # first answer position; 0 for plain text (every position is learned)
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    """The prompt as the gateway tokenizes it for apply_chat_template requests (plain text without one)."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"]
+
+
+@torch.inference_mode()
+def greedy_answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
+                   desc: str) -> list[list[int]]:
+    """The target's greedy continuation of each prompt (up to and including EOS), in prompt order."""
+    device = next(model.parameters()).device
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    answers: list[list[int]] = [[] for _ in prompts]
+    for start in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch"):
+        idx = order[start:start + batch_size]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(idx):   # left padding: every prompt ends at the last column
+            ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[row, width - len(prompts[i]):] = 1
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                             max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos,
+                             temperature=None, top_p=None, top_k=None)
+        for row, i in enumerate(idx):
+            new = out[row, width:].tolist()
+            answers[i] = new[:new.index(eos) + 1] if eos in new else new
+    return answers
+
+
+def self_distill(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[Sample]:
+    prompt_ids = [chat_ids(tokenizer, p) for p in prompts]
+    answers = greedy_answers(model, tokenizer, prompt_ids, max_new_tokens, batch_size, "answering prompts")
+    return [Sample(p + a, len(p)) for p, a in zip(prompt_ids, answers) if a]
+
+
+def self_instruct(model, tokenizer, requests: list[str], batch_size: int) -> list[str]:
+    """The target writes user prompts: its answers to `requests`, cleaned and de-duplicated."""
+    ids = [chat_ids(tokenizer, r) for r in requests]
+    answers = greedy_answers(model, tokenizer, ids, 48, batch_size, "writing prompts (self-instruct)")
+    seen: set[str] = set()
+    out = []
+    for a in answers:
+        text = tokenizer.decode(a, skip_special_tokens=True).strip().split("\n")[0].strip().strip('"')
+        if 12 <= len(text) <= 300 and text not in seen:
+            seen.add(text)
+            out.append(text)
+    return out
+
+
+def text_samples(tokenizer, files: list[Path], length: int) -> list[Sample]:
+    """Local text cut into chunks of `length` tokens, every position learned."""
+    ids: list[int] = []
+    for f in files:
+        ids.extend(tokenizer(f.read_text(errors="replace"))["input_ids"])
+    return [Sample(ids[i:i + length], 0) for i in range(0, len(ids) - 1, length) if len(ids[i:i + length]) > 1]
+
+
+def save_samples(path: Path, train: list[Sample], heldout: list[Sample], meta: dict) -> None:
+    torch.save({"train": [(s.ids, s.answer_start) for s in train],
+                "heldout": [(s.ids, s.answer_start) for s in heldout], "meta": meta}, path)
+
+
+def load_samples(path: Path) -> tuple[list[Sample], list[Sample], dict]:
+    raw = torch.load(path, weights_only=True)
+    return [Sample(*s) for s in raw["train"]], [Sample(*s) for s in raw["heldout"]], raw["meta"]

@@ -1,0 +1,235 @@
+"""`specdec train-drafter`: train an EAGLE-3 head for a target and save it in the published layout.
+
+Steps: training sequences (the target's greedy answers to the offline prompt set, plus prompts
+the target writes itself, plus any local text) -> draft vocabulary from token frequencies -> a
+head initialised from the target (lm_head rows, final norm) -> epochs of training-time-test
+unrolls against the target's own distributions (the target runs online, frozen: its hidden
+states and logits are recomputed per batch rather than stored) -> held-out acceptance per draft
+position -> config.json, model.safetensors and training_report.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from specdec.model.eagle3 import Eagle3Head, Eagle3Spec, default_aux_layers
+from specdec.model.spec import ModelSpec
+from specdec.train.distill import Sample, load_samples, save_samples, self_distill, self_instruct, text_samples
+from specdec.train.prompts import build_prompts, self_instruct_requests
+from specdec.train.ttt import ChainStats, Labels, chain_stats, ttt_forward, ttt_loss
+from specdec.train.vocab import DraftVocab, select_draft_vocab
+
+
+@dataclass(frozen=True)
+class TrainDrafterConfig:
+    target: Path
+    out: Path
+    device: str = "cpu"
+    seed: int = 0
+    data: Path | None = None            # reuse sequences saved by an earlier run (--save-data)
+    save_data: Path | None = None
+    text: tuple[Path, ...] = ()         # local text files, learned at every position
+    prompts: int | None = None          # how many built-in training prompts to answer (None: all)
+    self_instruct: int = 2000           # prompts the target writes itself (before de-duplication)
+    heldout: int = 200                  # held-out prompts answered for the acceptance report
+    max_new_tokens: int = 384
+    gen_batch: int = 128
+    draft_vocab: int = 8192
+    aux_layers: tuple[int, ...] | None = None   # target layer INPUTS to capture (default low/mid/high)
+    ttt_steps: int = 7
+    decay: float = 0.8
+    epochs: float = 8.0
+    lr: float = 5e-4
+    batch_tokens: int = 16384
+    max_len: int = 1024
+    eval_k: int = 6
+    save_dtype: str = "bfloat16"
+
+
+@dataclass
+class TrainReport:
+    sequences: int
+    tokens: int
+    heldout_sequences: int
+    draft_vocab: int
+    vocab_coverage: float
+    steps: int
+    seconds: float
+    final_loss: float
+    heldout_acceptance: list[float] = field(default_factory=list)   # per draft position, given earlier ones right
+    heldout_mean_accepted_length: float = 0.0                        # chain of eval_k drafts, teacher-forced
+
+
+def train_drafter(cfg: TrainDrafterConfig) -> TrainReport:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    device = torch.device(cfg.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).to(device).eval().requires_grad_(False)
+    train, heldout = _sequences(cfg, target, tokenizer)
+    tspec = ModelSpec.from_pretrained(cfg.target)
+    vocab = select_draft_vocab(train, tspec.vocab_size, cfg.draft_vocab, [tokenizer.eos_token_id])
+    head = _new_head(cfg, tspec, vocab, target).to(device)
+    print(f"{len(train)} training sequences ({sum(len(s.ids) for s in train)} tokens), {len(heldout)} held out; "
+          f"draft vocabulary {len(vocab.target_ids)} covers {vocab.coverage:.1%} of answer tokens", flush=True)
+
+    start = time.time()
+    steps, loss = _fit(cfg, head, target, train, vocab, device)
+    stats = evaluate(head, target, heldout, vocab, cfg.eval_k, cfg.batch_tokens, cfg.max_len, device)
+    report = TrainReport(len(train), sum(len(s.ids) for s in train), len(heldout), len(vocab.target_ids),
+                         vocab.coverage, steps, time.time() - start, loss, stats.per_position(),
+                         stats.mean_accepted_length())
+    save_head(head, cfg, report)
+    return report
+
+
+def _sequences(cfg: TrainDrafterConfig, target, tokenizer) -> tuple[list[Sample], list[Sample]]:
+    if cfg.data:
+        train, heldout, _ = load_samples(cfg.data)
+        return train, heldout
+    prompt_set = build_prompts(cfg.seed)
+    prompts = prompt_set.train[:cfg.prompts] if cfg.prompts is not None else list(prompt_set.train)
+    if cfg.self_instruct:
+        prompts += self_instruct(target, tokenizer, self_instruct_requests(cfg.seed, cfg.self_instruct), cfg.gen_batch)
+    train = self_distill(target, tokenizer, prompts, cfg.max_new_tokens, cfg.gen_batch)
+    train += text_samples(tokenizer, list(cfg.text), cfg.max_len)
+    heldout = self_distill(target, tokenizer, prompt_set.heldout[:cfg.heldout], cfg.max_new_tokens, cfg.gen_batch)
+    if cfg.save_data:
+        save_samples(cfg.save_data, train, heldout, {"target": str(cfg.target), "seed": cfg.seed})
+    return train, heldout
+
+
+def head_config(cfg: TrainDrafterConfig, tspec: ModelSpec, vocab: DraftVocab) -> dict:
+    """The target's config as a one-layer head, in the published layout (aux ids are layer OUTPUTS)."""
+    raw = json.loads((cfg.target / "config.json").read_text())
+    aux = cfg.aux_layers or default_aux_layers(tspec.num_layers)
+    raw.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, draft_vocab_size=len(vocab.target_ids),
+               target_hidden_size=tspec.hidden_size, tie_word_embeddings=False,
+               eagle_config={"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux]})
+    return raw
+
+
+def _new_head(cfg: TrainDrafterConfig, tspec: ModelSpec, vocab: DraftVocab, target) -> Eagle3Head:
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    (cfg.out / "config.json").write_text(json.dumps(head_config(cfg, tspec, vocab), indent=2))
+    spec = Eagle3Spec.from_pretrained(cfg.out, tspec)
+    head = Eagle3Head(spec)
+    with torch.no_grad():   # start from the target's own output layer, restricted to the draft vocabulary
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight[vocab.target_ids.to(target.device)].float())
+        head.norm.weight.copy_(target.model.norm.weight.float())
+        head.d2t.copy_(vocab.d2t)
+        head.t2d.copy_(vocab.t2d(tspec.vocab_size))
+    return head
+
+
+def _batches(samples: list[Sample], batch_tokens: int, max_len: int) -> list[list[Sample]]:
+    """Length-sorted groups whose padded size stays within batch_tokens (sequences cut at max_len)."""
+    ordered = sorted(samples, key=lambda s: len(s.ids))
+    groups: list[list[Sample]] = []
+    for s in ordered:
+        s = Sample(s.ids[:max_len], s.answer_start)
+        if groups and (len(groups[-1]) + 1) * len(s.ids) <= batch_tokens:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups
+
+
+@torch.no_grad()
+def _target_pass(target, group: list[Sample], vocab: DraftVocab, aux_layers, device):
+    """-> target embeddings [B, T, h], captured states [B, T, A] (fp32) and the Labels."""
+    width = max(len(s.ids) for s in group)
+    ids = torch.zeros(len(group), width, dtype=torch.long)
+    learn = torch.zeros(len(group), width, dtype=torch.bool)
+    for row, s in enumerate(group):
+        ids[row, :len(s.ids)] = torch.tensor(s.ids)
+        learn[row, max(s.answer_start - 1, 0):len(s.ids) - 1] = True   # p predicts token p+1, an answer token
+    ids, learn = ids.to(device), learn.to(device)
+    mask = torch.zeros_like(ids)
+    for row, s in enumerate(group):
+        mask[row, :len(s.ids)] = 1
+    captured: list[torch.Tensor] = []   # Hugging Face's last hidden state is after the final norm; ours is before
+    hook = target.model.norm.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+    try:
+        out = target(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    finally:
+        hook.remove()
+    states = out.hidden_states[:-1] + (captured[0],)   # [0] embeddings, [i] the input of layer i (i <= L)
+    logits = out.logits
+    next_id = logits.argmax(-1)
+    draft_ids = vocab.target_ids.to(device)
+    labels = Labels(logits[..., draft_ids].float().softmax(-1), next_id, learn,
+                    torch.isin(next_id, draft_ids))
+    aux = torch.cat([states[i] for i in aux_layers], dim=-1).float()
+    return states[0].float(), aux, labels
+
+
+def _fit(cfg: TrainDrafterConfig, head: Eagle3Head, target, train: list[Sample], vocab: DraftVocab,
+         device) -> tuple[int, float]:
+    groups = _batches(train, cfg.batch_tokens, cfg.max_len)
+    total = max(1, int(len(groups) * cfg.epochs))
+    params = [p for n, p in head.named_parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    warmup = max(1, total // 30)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+    rng = random.Random(cfg.seed)
+    order: list[int] = []
+    head.train()
+    bar = tqdm(range(total), desc="training head", unit="step")
+    loss_avg = 0.0
+    for step in bar:
+        if not order:
+            order = list(range(len(groups)))
+            rng.shuffle(order)
+        embeds, aux, labels = _target_pass(target, groups[order.pop()], vocab, head.spec.aux_layers, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = ttt_forward(head, embeds, aux, cfg.ttt_steps)
+        loss, per_step = ttt_loss(logits, labels, cfg.decay)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        sched.step()
+        loss_avg = 0.95 * loss_avg + 0.05 * loss.item() if step else loss.item()
+        if step % 10 == 0:
+            acc = chain_stats(head, logits[:1], labels).per_position()[0]
+            bar.set_postfix(loss=f"{loss_avg:.3f}", first=f"{per_step[0]:.3f}", acc0=f"{acc:.2f}")
+    head.eval()
+    return total, loss_avg
+
+
+@torch.no_grad()
+def evaluate(head: Eagle3Head, target, samples: list[Sample], vocab: DraftVocab, k: int, batch_tokens: int,
+             max_len: int, device) -> ChainStats:
+    """Greedy chain acceptance of k drafts from every root of the samples' answers."""
+    stats = ChainStats([0] * k, [0] * k)
+    for group in tqdm(_batches(samples, batch_tokens, max_len), desc="held-out acceptance", unit="batch"):
+        embeds, aux, labels = _target_pass(target, group, vocab, head.spec.aux_layers, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = ttt_forward(head, embeds, aux, k)
+        stats.add(chain_stats(head, logits, labels))
+    return stats
+
+
+def save_head(head: Eagle3Head, cfg: TrainDrafterConfig, report: TrainReport) -> None:
+    """model.safetensors in the published layout (weights in save_dtype; d2t long, t2d bool) + the report."""
+    dtype = getattr(torch, cfg.save_dtype)
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu()
+             for k, v in head.state_dict().items()}
+    save_file(state, str(cfg.out / "model.safetensors"))
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+    config["text"] = [str(p) for p in cfg.text]
+    (cfg.out / "training_report.json").write_text(json.dumps({"config": config, "report": asdict(report)}, indent=2))

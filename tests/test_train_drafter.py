@@ -1,0 +1,138 @@
+"""`specdec train-drafter`: the training-time-test unroll computes what the serving head computes
+when its earlier drafts were accepted; training on the target's own answers raises acceptance;
+the draft vocabulary keeps the most frequent tokens; the prompt set's held-out split shares no
+subject with training; the saved head loads in the published layout and reports its acceptance."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_eagle3_head import write_head
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdec.model.batch import ForwardBatch, causal_region
+from specdec.model.eagle3 import load_eagle3
+from specdec.model.kv_cache import KVCache
+from specdec.model.spec import ModelSpec
+from specdec.train.distill import Sample, self_distill
+from specdec.train.prompts import TOPICS, _items, build_prompts
+from specdec.train.trainer import TrainDrafterConfig, _fit, _new_head, evaluate
+from specdec.train.ttt import ttt_forward
+from specdec.train.vocab import select_draft_vocab
+
+
+def _serve_chain(head, embeds, aux, root: int, steps: int) -> list[torch.Tensor]:
+    """The serving path: real pairs 0..root through the KV cache, then drafts fed the head's own
+    output at positions root+1.. with the (accepted) next tokens -> logits of each draft step."""
+    s = head.spec.layer
+    cache = KVCache(1, 2, 64, s.num_kv_heads, s.head_dim, embeds.dtype, torch.device("cpu"))
+    n = root + 1
+    pos = torch.arange(n)[None]
+    batch = ForwardBatch.build(torch.zeros_like(pos), pos, torch.tensor([1]), pos, torch.tensor([0]),
+                               causal_region(torch.tensor([n]), n))
+    logits, out = head(batch, cache, embeds[:, 1:n + 1], aux[:, :n], from_target=True)
+    got, hidden = [logits[0, -1]], out[:, -1:]
+    for j in range(1, steps):
+        p = torch.tensor([[root + j]])
+        batch = ForwardBatch.build(p, p, torch.tensor([1]), p, torch.tensor([root + j]),
+                                   causal_region(torch.tensor([1]), 1))
+        logits, hidden = head(batch, cache, embeds[:, root + 1 + j:root + 2 + j], hidden, from_target=False)
+        got.append(logits[0, -1])
+    return got
+
+
+def test_training_unroll_equals_serving_head(checkpoints, tmp_path):
+    target_dir = checkpoints["llama-gqa"]
+    write_head(target_dir, tmp_path / "head", seed=3)
+    target = ModelSpec.from_pretrained(target_dir)
+    head = load_eagle3(tmp_path / "head", target, torch.float64, torch.device("cpu"))
+    torch.manual_seed(0)
+    t_len, h = 12, target.hidden_size
+    embeds = torch.randn(1, t_len, h, dtype=torch.float64)
+    aux = torch.randn(1, t_len, 3 * h, dtype=torch.float64)
+    unrolled = ttt_forward(head, embeds, aux, steps=4)
+    for root in (0, 4, 7):
+        for j, want in enumerate(_serve_chain(head, embeds, aux, root, steps=4)):
+            torch.testing.assert_close(unrolled[j][0, root], want, rtol=0, atol=1e-9,
+                                       msg=f"draft step {j} from root {root}")
+
+
+def test_draft_vocab_keeps_the_most_frequent_tokens():
+    samples = [Sample([9, 9, 5, 5, 5, 7, 2], 2), Sample([1, 5, 7, 3], 1)]   # answers: 5 5 5 7 2 | 5 7 3
+    vocab = select_draft_vocab(samples, vocab_size=12, size=3, always=[11])
+    assert vocab.target_ids.tolist() == [5, 7, 11]      # EOS forced in; 5 and 7 are the most frequent
+    assert (torch.arange(3) + vocab.d2t).tolist() == [5, 7, 11]
+    assert vocab.t2d(12).nonzero()[:, 0].tolist() == [5, 7, 11]
+    assert vocab.coverage == pytest.approx(6 / 8)
+    assert select_draft_vocab(samples, vocab_size=12, size=12, always=[]).target_ids.tolist() == list(range(12))
+
+
+def test_prompt_set_is_diverse_reproducible_and_held_out_by_subject():
+    a, b = build_prompts(seed=0), build_prompts(seed=0)
+    assert a.train == b.train and a.heldout == b.heldout
+    assert build_prompts(seed=1).train != a.train
+    assert len(a.train) > 3000 and len(a.heldout) > 300 and len(set(a.train)) == len(a.train)
+    topics = _items(TOPICS)
+
+    def mentions(prompt: str, topic: str) -> bool:   # as a whole phrase, not inside a longer topic's name
+        return re.search(rf"\b{re.escape(topic)}\b", prompt) is not None and not any(
+            u != topic and topic in u and u in prompt for u in topics)
+
+    held_topics = [t for t in topics if any(mentions(p, t) for p in a.heldout)]
+    assert len(held_topics) > 10
+    about = [p for p in a.train if '"' not in p]   # (rewrite tasks quote sentences, they are not about a topic)
+    for t in held_topics:   # no training prompt is about a held-out subject
+        assert not any(mentions(p, t) for p in about), t
+    kinds = {"code": "function", "poem": "poem", "list": "list", "math": "Solve for x", "dialogue": "dialogue"}
+    for kind, marker in kinds.items():
+        assert any(marker in p for p in a.train), kind
+
+
+def test_training_on_its_own_answers_raises_acceptance(checkpoints, tmp_path):
+    target_dir = checkpoints["llama-gqa"]
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().requires_grad_(False)
+    torch.manual_seed(0)
+    train = self_distill(model, tok, build_prompts(0).train[:16], 32, 16)
+    spec = ModelSpec.from_pretrained(target_dir)
+    vocab = select_draft_vocab(train, spec.vocab_size, 512, [tok.eos_token_id])
+    cfg = TrainDrafterConfig(target_dir, tmp_path / "head", epochs=150, batch_tokens=2048, lr=3e-3, ttt_steps=3,
+                             aux_layers=(1, 2, 3))
+    head = _new_head(cfg, spec, vocab, model)
+    cpu = torch.device("cpu")
+    before = evaluate(head, model, train, vocab, 3, 2048, 1024, cpu)
+    _fit(cfg, head, model, train, vocab, cpu)
+    after = evaluate(head, model, train, vocab, 3, 2048, 1024, cpu)
+    # A random target is hard to predict; what the head learned shows on the sequences it saw.
+    assert after.per_position()[0] > before.per_position()[0] + 0.2
+    assert after.mean_accepted_length() > before.mean_accepted_length() + 0.2
+
+
+def test_cli_trains_and_saves_a_loadable_head(checkpoints, tmp_path):
+    target_dir = checkpoints["llama-gqa"]
+    out = tmp_path / "head"
+    cmd = [sys.executable, "-m", "specdec.cli", "train-drafter", "--target", str(target_dir), "--out", str(out),
+           "--prompts", "12", "--self-instruct", "4", "--heldout", "4", "--max-new-tokens", "16",
+           "--draft-vocab", "64", "--epochs", "2", "--eval-k", "3", "--aux-layers", "1,2,3",
+           "--save-data", str(tmp_path / "data.pt")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "position 3:" in done.stdout and "sha256" in done.stdout
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 64 and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    head = load_eagle3(out, ModelSpec.from_pretrained(target_dir), torch.float32, torch.device("cpu"))
+    assert head.spec.aux_layers == (1, 2, 3) and int(head.t2d.sum()) == 64
+    report = json.loads((out / "training_report.json").read_text())["report"]
+    assert len(report["heldout_acceptance"]) == 3 and report["heldout_sequences"] == 4
+    # the saved sequences train again without generating (--data)
+    again = subprocess.run(cmd[:cmd.index("--prompts")] + ["--data", str(tmp_path / "data.pt"), "--epochs", "1",
+                                                           "--draft-vocab", "64", "--aux-layers", "1,2,3"],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "answering prompts" not in again.stderr
