@@ -82,7 +82,7 @@ class DraftGraphs:
         """What the graph runs: the draft loop from the static inputs into c.outputs."""
         if isinstance(c.key, TreeShape):
             # keys read: the whole slot (the Triton attention reads each row's own length anyway)
-            c.outputs = expand(self._forward, c.logits, c.pos, c.slots, c.key, self.slot_len - c.key.fed_nodes)
+            c.outputs = expand(lambda batch, _parents: self._forward(batch), c.logits, c.pos, c.slots, c.key, self.slot_len - c.key.fed_nodes)
         else:
             c.outputs = self._chain(c.logits, c.pos, c.slots, c.key)
 

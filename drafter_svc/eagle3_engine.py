@@ -10,8 +10,8 @@ there; they are overwritten from the real states when the next verdict's rows ar
 head's KV of real pairs is tracked separately from that of drafted ones).
 
 Drafts are the head's argmax (no proposal distributions): the verifier treats them as point
-masses, which keeps sampled requests lossless too. Trees are not drafted by this engine yet:
-such items get INVALID and the gateway carries on without drafts for them.
+masses, which keeps sampled requests lossless too. Trees are EAGLE-2 style (tree_draft.expand)
+over the draft vocabulary, each node fed with its parent's hidden output.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from drafter_svc.engine import DRAFT_SLACK, admit, apply_item
-from drafter_svc.types import ChainShape, Draft, DrafterStep, DrafterStepResult, DraftItem
+from drafter_svc.tree_draft import expand, to_trees
+from drafter_svc.types import ChainShape, Draft, DrafterStep, DrafterStepResult, DraftItem, TreeShape
 from specdec.errors import ErrorCode, SequenceError
 from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded, upload_list
 from specdec.model.eagle3 import Eagle3Head
@@ -58,8 +59,8 @@ class Eagle3DrafterEngine:
 
     def _apply(self, item: DraftItem) -> SequenceState | SequenceError:
         rows = item.hidden
-        if not isinstance(item.shape, ChainShape):
-            return SequenceError(item.seq_id, ErrorCode.INVALID, "the EAGLE-3 drafter drafts chains only (for now)")
+        if isinstance(item.shape, TreeShape) and item.assumed_ids:
+            return SequenceError(item.seq_id, ErrorCode.INVALID, "tree drafts are synchronous: no assumed tokens")
         opening = self.table.get(item.seq_id) is None
         have = 0 if opening else len(self.table.get(item.seq_id).tokens) - 1
         want = item.committed_len - 1 - have  # target states of positions have .. committed_len - 2
@@ -83,7 +84,26 @@ class Eagle3DrafterEngine:
     def _draft(self, ready: list[tuple[SequenceState, DraftItem]]) -> list[DraftTree]:
         states = [s for s, _ in ready]
         slots = self.table.slots(states, self.device)
-        # 1. Real pairs: positions fed-1 .. len-2 (at least the last one, for its output).
+        logits, out = self._feed_real_pairs(states, slots)             # [B, Vd], [B, h]
+        trees: list[DraftTree | None] = [None] * len(ready)
+        chains = [i for i, (_, it) in enumerate(ready) if isinstance(it.shape, ChainShape)]
+        if chains:
+            for i, tree in zip(chains, self._chains([ready[i] for i in chains], slots[chains], logits[chains],
+                                                     out[chains])):
+                trees[i] = tree
+        by_shape: dict[TreeShape, list[int]] = {}
+        for i, (_, it) in enumerate(ready):
+            if isinstance(it.shape, TreeShape):
+                by_shape.setdefault(it.shape, []).append(i)
+        for shape, rows in by_shape.items():
+            for i, tree in zip(rows, self._trees([states[i] for i in rows], slots[rows], logits[rows], out[rows],
+                                                 shape)):
+                trees[i] = tree
+        return trees
+
+    def _feed_real_pairs(self, states: list[SequenceState], slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Real pairs at positions fed-1 .. len-2 (at least the last one, for its output) -> the
+        draft logits [B, Vd] and hidden output [B, h] at each sequence's last committed token."""
         starts, feeds, rows = [], [], []
         for s in states:
             start = min(self.fed[s.seq_id], len(s.tokens) - 2)
@@ -104,8 +124,11 @@ class Eagle3DrafterEngine:
                                    kv_len=min(max(starts) + n, self.slot_len))
         logits, out = self.head(batch, self.cache, self.embed[tokens], hidden, from_target=True)
         last = torch.arange(len(states), device=self.device), lengths - 1
-        logits, out = logits[last], out[last]                         # [B, Vd], [B, h]
-        # 2. Assumed tokens, then the chain: each fed with the head's own previous output.
+        return logits[last], out[last]
+
+    def _chains(self, ready, slots, logits, out) -> list[DraftTree]:
+        """Assumed tokens (overlap), then the chain: each position fed the head's own previous output."""
+        states = [s for s, _ in ready]
         assumed = [it.assumed_ids for _, it in ready]
         ks = [it.shape.k for _, it in ready]
         steps = max(len(a) + k for a, k in zip(assumed, ks))
@@ -131,6 +154,26 @@ class Eagle3DrafterEngine:
         tok_rows, lp_rows = torch.stack(picked, 1).tolist(), torch.stack(logps, 1).tolist()
         return [DraftTree.chain(row[len(a):len(a) + k], lp[len(a):len(a) + k])
                 for row, lp, a, k in zip(tok_rows, lp_rows, assumed, ks)]
+
+    def _trees(self, states, slots, root_logits, root_out, shape: TreeShape) -> list[DraftTree]:
+        """EAGLE-2 trees over the draft vocabulary (tree_draft.expand): a node pairs its token with
+        its parent's hidden output (the root's: the output at the last committed token)."""
+        ctx_len = upload_list([len(s.tokens) - 1 for s in states], self.device)   # head KV of real pairs
+        fed_out = root_out[:, None][:, :0]                                       # [B, fed nodes, h]
+
+        def forward(batch: ForwardBatch, parents: torch.Tensor) -> torch.Tensor:
+            nonlocal fed_out
+            idx = parents.clamp(min=0)[:, :, None].expand(-1, -1, root_out.shape[-1])
+            from_fed = torch.gather(fed_out, 1, idx) if fed_out.shape[1] else root_out[:, None].expand_as(idx)
+            hidden = torch.where((parents >= 0)[:, :, None], from_fed, root_out[:, None])      # [B, k, h]
+            logits, out = self.head(batch, self.cache, self.embed[self.head.to_target_ids(batch.tokens)], hidden,
+                                    from_target=False)
+            fed_out = torch.cat([fed_out, out], 1)
+            return logits
+
+        tokens, parents, logps = expand(forward, root_logits, ctx_len, slots, shape,
+                                        max(len(s.tokens) - 1 for s in states))
+        return to_trees(self.head.to_target_ids(tokens), parents, logps)
 
 
 def build_eagle3_drafter(target_dir, head_dir, dtype: torch.dtype, device: torch.device, max_sequences: int,

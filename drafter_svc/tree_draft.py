@@ -31,14 +31,16 @@ def expand_trees(
     slots = upload_list([s.slot for s in states], device)
     out = graphs.tree(root_logits, ctx_len, slots, shape) if graphs is not None else None
     if out is None:
-        out = expand(runner.forward, root_logits, ctx_len, slots, shape, max(kv_lens))
+        out = expand(lambda batch, _parents: runner.forward(batch), root_logits, ctx_len, slots, shape,
+                     max(kv_lens))
     return to_trees(*out)
 
 
 def expand(forward, root_logits: torch.Tensor, ctx_len: torch.Tensor, slots: torch.Tensor, shape: TreeShape,
            max_ctx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The expansion and selection as tensor work only (no host reads: CUDA graphs capture it).
-    forward: ForwardBatch -> logits [B, n, V]; max_ctx: the longest context (host-known) ->
+    forward: (ForwardBatch, parents [B, k]: which earlier fed node each fed node hangs from, -1 for
+    the root; an EAGLE-3 head reads its parent's hidden state) -> logits [B, k, V]; max_ctx: the longest context (host-known) ->
     tokens, parent nodes (0 = root), log-probabilities, each [B, budget]."""
     device = root_logits.device
     b, k = root_logits.shape[0], shape.topk
@@ -72,7 +74,7 @@ def expand(forward, root_logits: torch.Tensor, ctx_len: torch.Tensor, slots: tor
         region = fed_ancestors[:, -k:, :]  # the frontier's rows: [B, k, n_fed + k]
         batch = ForwardBatch.build(front_tokens, positions, slots, write_pos, ctx_len, region,
                                    kv_len=max_ctx + n_fed + k)
-        logp = torch.log_softmax(forward(batch), -1)                             # [B, k, V]
+        logp = torch.log_softmax(forward(batch, parent_fed), -1)                             # [B, k, V]
         child_logp, child_tok = logp.topk(k, dim=-1)                           # [B, k, k]
         child_scores = front_scores[:, :, None] + child_logp
         cand_tokens.append(child_tok.reshape(b, k * k))

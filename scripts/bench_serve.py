@@ -8,6 +8,8 @@ overlap hit rate, and speedup vs off at the same concurrency.
 
     python scripts/bench_serve.py --device cuda --concurrency 1 4 16 --max-new-tokens 128
     python scripts/bench_serve.py --target DIR --draft DIR ...   (default: the embedded SmolLM2 pair)
+    python scripts/bench_serve.py --eagle3-head DIR --prompts heldout   (an EAGLE-3 drafter; prompts
+        from the held-out split of `specdec train-drafter`'s prompt set, never trained on)
 """
 
 from __future__ import annotations
@@ -92,23 +94,42 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--eagle3-head", default=None, help="draft with this EAGLE-3 head instead of --draft")
+    p.add_argument("--prompts", default="fixed", choices=["fixed", "heldout"],
+                   help="fixed: the 8 prompts above; heldout: the first --num-prompts held-out training prompts")
+    p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--json-out", default=None)
     a = p.parse_args()
     if a.target:
-        target, draft = Path(a.target), Path(a.draft)
+        target, draft = Path(a.target), Path(a.draft or a.target)
     else:
         from specdec.embedded_model import ensure_embedded_models
 
         target, draft = ensure_embedded_models()
+    drafter_extra, verifier_extra = [], []
+    if a.eagle3_head:
+        from specdec.model.eagle3 import Eagle3Spec
+        from specdec.model.spec import ModelSpec
+
+        aux = Eagle3Spec.from_pretrained(a.eagle3_head, ModelSpec.from_pretrained(target)).aux_layers
+        draft = target   # the drafter reads the target checkpoint's embeddings
+        drafter_extra = ["--eagle3-head", a.eagle3_head]
+        verifier_extra = ["--aux-hidden-layers", ",".join(map(str, aux))]
+    texts = PROMPTS
+    if a.prompts == "heldout":
+        from specdec.train.prompts import build_prompts
+
+        texts = build_prompts(seed=0).heldout[:a.num_prompts]
     dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
     tok = AutoTokenizer.from_pretrained(target)
     if tok.chat_template:
         texts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                         tokenize=False) for t in PROMPTS]
+                                         tokenize=False) for t in texts]
         prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     else:
-        prompts = [tok(t)["input_ids"] for t in PROMPTS]
-    cluster = Cluster(target, draft, device=a.device, dtype=dtype, extra=["--max-sequences", "64"]).start()
+        prompts = [tok(t)["input_ids"] for t in texts]
+    cluster = Cluster(target, draft, device=a.device, dtype=dtype, extra=["--max-sequences", "64"],
+                      drafter_extra=drafter_extra, verifier_extra=verifier_extra).start()
     rows = []
     try:
         for mode, spec in (CONFIGS[name] for name in a.configs):  # warm-up: allocations, kernel compiles
@@ -129,7 +150,7 @@ def main() -> None:
                     bar.update()
     finally:
         cluster.stop()
-    print(f"\ntarget={target.name} draft={draft.name} device={a.device} dtype={dtype} "
+    print(f"\ntarget={target.name} draft={a.eagle3_head or draft.name} prompts={a.prompts} device={a.device} dtype={dtype} "
           f"max_new_tokens={a.max_new_tokens}")
     print("| C | config | tok/s | TPOT p50 ms | TPOT p99 ms | TTFT p50 ms | accept len | overlap hit | vs off | same tokens as off |")
     print("|---|---|---|---|---|---|---|---|---|---|")

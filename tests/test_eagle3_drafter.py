@@ -3,7 +3,9 @@ all positions but the last), the head's KV of real pairs is kept across steps an
 positions are redone from real states later, overlap pre-drafts feed the head's own outputs for
 assumed tokens -- and every draft of one long-lived sequence equals a fresh engine's draft from
 the whole context (so the incremental bookkeeping is exact). The first drafted token is the
-published architecture's argmax mapped through d2t. Missing hidden states and trees are refused."""
+published architecture's argmax mapped through d2t. Trees: a one-wide tree is the chain, each
+node's best child is what the head drafts after that node, and long-lived trees equal fresh ones.
+Missing hidden states (and assumed tokens for a tree) are refused."""
 
 from __future__ import annotations
 
@@ -93,8 +95,40 @@ def test_missing_states_and_trees_are_refused(checkpoints, tmp_path):
     res = eng.step(DrafterStep(1, [
         DraftItem("a", 3, tokens, [], ChainShape(2)),                                   # no states at all
         DraftItem("b", 3, tokens, [], ChainShape(2), hidden=torch.zeros(1, eng.aux_width)),  # one row short
-        DraftItem("c", 3, tokens, [], TreeShape(2, 2, 3), hidden=torch.zeros(2, eng.aux_width)),
+        DraftItem("c", 3, tokens, [7], TreeShape(2, 2, 3), hidden=torch.zeros(2, eng.aux_width)),  # trees: no overlap
     ]))
     assert [e.code.name for e in res.errors] == ["INVALID"] * 3 and not res.drafts
     assert "--aux-hidden-layers" in res.errors[0].message
     assert len(eng.table) == 0  # nothing was opened
+
+
+def test_trees_follow_the_head_node_by_node(checkpoints, tmp_path):
+    target, head_dir = setup(checkpoints, tmp_path)
+    eng = engine(target, head_dir)
+    context = [3, 14, 15, 92, 65, 35]
+    sent = 0
+
+    def fresh(assumed, shape):
+        states = target_states(target, eng.head.spec.aux_layers, context)
+        res = engine(target, head_dir).step(DrafterStep(1, [DraftItem("s", len(context), context, assumed, shape,
+                                                                      hidden=states)]))
+        return res.drafts[0].tree
+
+    for step in range(1, 5):
+        states = target_states(target, eng.head.spec.aux_layers, context)
+        res = eng.step(DrafterStep(step, [DraftItem("s", len(context), context[sent:], [], TreeShape(2, 2, 6),
+                                                    hidden=states[max(0, sent - 1):])]))
+        assert not res.errors, res.errors
+        sent = len(context)
+        tree = res.drafts[0].tree
+        assert (tree.token_ids, tree.parents) == (fresh([], TreeShape(2, 2, 6)).token_ids,
+                                                  fresh([], TreeShape(2, 2, 6)).parents), f"step {step}"
+        # budget 6 keeps every candidate: two children of the root, two under each of them
+        assert tree.parents == [0, 0, 1, 1, 2, 2]
+        for node in (1, 2):
+            children = [tree.token_ids[i] for i, p in enumerate(tree.parents) if p == node]
+            best = max(children, key=lambda t: tree.logprobs[tree.token_ids.index(t)])
+            assert best == fresh([tree.token_ids[node - 1]], ChainShape(1)).token_ids[0], (step, node)
+        # one wide: the chain of the same depth
+        assert fresh([], TreeShape(1, 4, 4)).token_ids == fresh([], ChainShape(4)).token_ids
+        context += tree.token_ids[:1] + [step + 30]
