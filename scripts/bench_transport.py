@@ -1,9 +1,13 @@
 """Where a step's time goes between the gateway and the verifier, apart from the model: the bare
 gRPC (grpc.aio + uvloop) round trip on the Verifier.Step stream, the same with the hop to the
 engine's worker thread, and a real verifier process (a tiny random model) against its own engine
-called in-process -- so "transport" = round trip - engine step, at several batch sizes.
+called in-process -- so "transport" = round trip - engine step, at several batch sizes. Then the EAGLE-3 hidden-state
+payload a verdict carries per step (committed tokens x the head's layers x hidden size, bf16):
+its bytes and the time of each of its hops -- device-to-host copy of the captured rows, encoding
+into the Verdict and DraftItem messages, decoding on the other side.
 
     python scripts/bench_transport.py --batch 1 16 64 --device cpu
+    python scripts/bench_transport.py --batch 1 16 --payload-only --aux-width 1728 12288 --tokens 4
 """
 
 from __future__ import annotations
@@ -136,11 +140,55 @@ def verifier_round_trip(checkpoint: Path, batch: int, device: str) -> float:
         proc.wait()
 
 
+def payload_cost(batch: int, tokens: int, width: int, device: str, reps: int = 50) -> dict:
+    """One step's hidden-state payload: [batch, tokens, width] bf16 rows gathered on the device,
+    copied to the host, encoded per sequence into a Verdict, decoded by the gateway and encoded
+    again into a DraftItem, decoded by the drafter -> bytes and ms of each hop."""
+    from specdec.rpc import common_pb2
+    from specdec.rpc.convert import payload_to_tensor, tensor_to_payload
+
+    aux = torch.randn(batch, tokens + 4, width, dtype=torch.bfloat16, device=device)
+    path = torch.arange(tokens, device=device).expand(batch, tokens)
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(fn):
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = fn()
+        sync()
+        return (time.perf_counter() - t0) / reps * 1e3, out
+
+    copy_ms, host = timed(lambda: torch.gather(aux, 1, path[:, :, None].expand(-1, -1, width)).cpu())
+    encode_ms, wire = timed(lambda: [common_pb2.TensorPayload.SerializeToString(tensor_to_payload(h)) for h in host])
+    decode_ms, _ = timed(lambda: [payload_to_tensor(common_pb2.TensorPayload.FromString(w)) for w in wire])
+    return {"bytes": sum(len(w) for w in wire), "copy_ms": copy_ms, "encode_ms": encode_ms, "decode_ms": decode_ms}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--aux-width", type=int, nargs="+", default=[3 * 576, 3 * 4096],
+                   help="hidden-state row widths: 3 x hidden of SmolLM2-135M and of an 8B target")
+    p.add_argument("--tokens", type=int, default=4, help="committed tokens per sequence and step")
+    p.add_argument("--payload-only", action="store_true")
     a = p.parse_args()
+    print("| batch | row width | bytes per step | device->host ms | encode ms | decode ms | payload ms per step |")
+    print("|---|---|---|---|---|---|---|")
+    for b in a.batch:
+        for w in a.aux_width:
+            c = payload_cost(b, a.tokens, w, a.device)
+            # the verifier encodes and the gateway decodes; the gateway encodes again and the drafter decodes
+            total = c["copy_ms"] + 2 * (c["encode_ms"] + c["decode_ms"])
+            print(f"| {b} | {w} | {c['bytes']} | {c['copy_ms']:.3f} | {c['encode_ms']:.3f} | {c['decode_ms']:.3f} "
+                  f"| {total:.3f} |", flush=True)
+    if a.payload_only:
+        return
     print(f"bare gRPC round trip: {1e3 * echo_round_trip(False):.3f} ms; "
           f"with the worker-thread hop: {1e3 * echo_round_trip(True):.3f} ms", flush=True)
     checkpoint = make_checkpoint(Path(tempfile.mkdtemp()) / "tiny", "llama-gqa", seed=0, num_layers=1)
