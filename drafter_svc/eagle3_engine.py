@@ -43,6 +43,14 @@ class Eagle3DrafterEngine:
         self.table = SequenceTable(max_sequences, spec.vocab_size, self.max_context)
         self.rows: dict[str, torch.Tensor] = {}  # seq id -> target states [m, aux] of positions fed - 1 ..
         self.fed: dict[str, int] = {}            # seq id -> head positions holding real pairs (q < fed)
+        self.graphs = None   # Eagle3Graphs once captured
+
+    def capture_cuda_graphs(self, log=None) -> None:
+        """Greedy chains (with overlap's assumed tokens) and the default tree shapes as graph replays."""
+        from drafter_svc.eagle3_graphs import Eagle3Graphs
+
+        self.graphs = Eagle3Graphs(self, self.cache.num_slots - 1)
+        self.graphs.capture(log)
 
     def close(self, seq_ids: list[str]) -> None:
         self.table.close_all(seq_ids)
@@ -128,52 +136,72 @@ class Eagle3DrafterEngine:
 
     def _chains(self, ready, slots, logits, out) -> list[DraftTree]:
         """Assumed tokens (overlap), then the chain: each position fed the head's own previous output."""
-        states = [s for s, _ in ready]
         assumed = [it.assumed_ids for _, it in ready]
         ks = [it.shape.k for _, it in ready]
         steps = max(len(a) + k for a, k in zip(assumed, ks))
-        forced = torch.full((len(states), steps), -1, dtype=torch.long)
+        forced = torch.full((len(ready), steps), -1, dtype=torch.long)
         for i, a in enumerate(assumed):
             forced[i, : len(a)] = torch.tensor(a, dtype=torch.long)
         forced = forced.to(self.device)
-        write = upload_list([len(s.tokens) - 1 for s in states], self.device)  # next head position
-        picked, logps = [], []
-        for t in range(steps):
-            logp = torch.log_softmax(logits, -1)
-            best = logp.argmax(-1)
-            target = torch.where(forced[:, t] >= 0, forced[:, t], self.head.to_target_ids(best))
-            picked.append(target)
-            logps.append(logp.gather(1, best[:, None])[:, 0])
-            if t == steps - 1:
-                break
-            p = (write + t).clamp(max=self.slot_len - 1)[:, None]
-            batch = ForwardBatch(target[:, None], p, slots, p, p[:, 0],
-                                 torch.ones(len(states), 1, 1, dtype=torch.bool, device=self.device), self.slot_len)
-            logits, out = self.head(batch, self.cache, self.embed[target[:, None]], out[:, None], from_target=False)
-            logits, out = logits[:, 0], out[:, 0]
-        tok_rows, lp_rows = torch.stack(picked, 1).tolist(), torch.stack(logps, 1).tolist()
+        write = upload_list([len(s.tokens) - 1 for s, _ in ready], self.device)  # next head position
+        drafted = None if self.graphs is None else self.graphs.chain(logits, out, forced, write, slots)
+        if drafted is None:
+            drafted = greedy_chain(self.head, self.embed, self.cache, logits, out, forced, write, slots, self.slot_len)
+        tok_rows, lp_rows = drafted[0].tolist(), drafted[1].tolist()
         return [DraftTree.chain(row[len(a):len(a) + k], lp[len(a):len(a) + k])
                 for row, lp, a, k in zip(tok_rows, lp_rows, assumed, ks)]
 
     def _trees(self, states, slots, root_logits, root_out, shape: TreeShape) -> list[DraftTree]:
-        """EAGLE-2 trees over the draft vocabulary (tree_draft.expand): a node pairs its token with
-        its parent's hidden output (the root's: the output at the last committed token)."""
         ctx_len = upload_list([len(s.tokens) - 1 for s in states], self.device)   # head KV of real pairs
-        fed_out = root_out[:, None][:, :0]                                       # [B, fed nodes, h]
+        out = None if self.graphs is None else self.graphs.tree(root_logits, root_out, ctx_len, slots, shape)
+        if out is None:
+            out = head_tree(self.head, self.embed, self.cache, root_logits, root_out, ctx_len, slots, shape,
+                            max(len(s.tokens) - 1 for s in states))
+        return to_trees(*out)
 
-        def forward(batch: ForwardBatch, parents: torch.Tensor) -> torch.Tensor:
-            nonlocal fed_out
-            idx = parents.clamp(min=0)[:, :, None].expand(-1, -1, root_out.shape[-1])
-            from_fed = torch.gather(fed_out, 1, idx) if fed_out.shape[1] else root_out[:, None].expand_as(idx)
-            hidden = torch.where((parents >= 0)[:, :, None], from_fed, root_out[:, None])      # [B, k, h]
-            logits, out = self.head(batch, self.cache, self.embed[self.head.to_target_ids(batch.tokens)], hidden,
-                                    from_target=False)
-            fed_out = torch.cat([fed_out, out], 1)
-            return logits
 
-        tokens, parents, logps = expand(forward, root_logits, ctx_len, slots, shape,
-                                        max(len(s.tokens) - 1 for s in states))
-        return to_trees(self.head.to_target_ids(tokens), parents, logps)
+def greedy_chain(head: Eagle3Head, embed: torch.Tensor, cache: KVCache, logits: torch.Tensor, out: torch.Tensor,
+                 forced: torch.Tensor, write: torch.Tensor, slots: torch.Tensor,
+                 slot_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, Vd] and hidden out [B, h] after the last committed token; forced [B, S] (-1: draft)
+    -> target ids and draft log-probabilities [B, S]. Tensor work only (CUDA graphs capture it)."""
+    b, steps = forced.shape
+    region = torch.ones(b, 1, 1, dtype=torch.bool, device=logits.device)
+    picked, logps = [], []
+    for t in range(steps):
+        logp = torch.log_softmax(logits, -1)
+        best = logp.argmax(-1)
+        target = torch.where(forced[:, t] >= 0, forced[:, t], head.to_target_ids(best))
+        picked.append(target)
+        logps.append(logp.gather(1, best[:, None])[:, 0])
+        if t == steps - 1:
+            break
+        p = (write + t).clamp(max=slot_len - 1)[:, None]
+        batch = ForwardBatch(target[:, None], p, slots, p, p[:, 0], region, slot_len)
+        logits, out = head(batch, cache, embed[target[:, None]], out[:, None], from_target=False)
+        logits, out = logits[:, 0], out[:, 0]
+    return torch.stack(picked, 1), torch.stack(logps, 1)
+
+
+def head_tree(head: Eagle3Head, embed: torch.Tensor, cache: KVCache, root_logits: torch.Tensor,
+              root_out: torch.Tensor, ctx_len: torch.Tensor, slots: torch.Tensor, shape: TreeShape,
+              max_ctx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """EAGLE-2 trees over the draft vocabulary (tree_draft.expand): a node pairs its token with its
+    parent's hidden output (the root's: the output at the last committed token) -> target ids,
+    parents, log-probabilities [B, budget]. Tensor work only."""
+    fed_out = root_out[:, None][:, :0]                                       # [B, fed nodes, h]
+
+    def forward(batch: ForwardBatch, parents: torch.Tensor) -> torch.Tensor:
+        nonlocal fed_out
+        idx = parents.clamp(min=0)[:, :, None].expand(-1, -1, root_out.shape[-1])
+        from_fed = torch.gather(fed_out, 1, idx) if fed_out.shape[1] else root_out[:, None].expand_as(idx)
+        hidden = torch.where((parents >= 0)[:, :, None], from_fed, root_out[:, None])      # [B, k, h]
+        logits, out = head(batch, cache, embed[head.to_target_ids(batch.tokens)], hidden, from_target=False)
+        fed_out = torch.cat([fed_out, out], 1)
+        return logits
+
+    tokens, parents, logps = expand(forward, root_logits, ctx_len, slots, shape, max_ctx)
+    return head.to_target_ids(tokens), parents, logps
 
 
 def build_eagle3_drafter(target_dir, head_dir, dtype: torch.dtype, device: torch.device, max_sequences: int,

@@ -78,8 +78,8 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
         await state.set_serving(False)
         loop = asyncio.get_running_loop()
         try:
-            if cfg.cuda_graphs and cfg.device == "cuda" and cfg.tp == 1 and runner is not None:
-                if cfg.role == "drafter":  # catch-up feeds and whole greedy chains
+            if cfg.cuda_graphs and cfg.device == "cuda" and cfg.tp == 1 and (runner is not None or eagle3):
+                if cfg.role == "drafter":  # catch-up feeds, whole greedy chains and trees
                     await loop.run_in_executor(executor, engine.capture_cuda_graphs, log)
                 else:  # chains and trees of up to max_draft_tokens nodes plus the root
                     lens = tuple(n for n in DEFAULT_QUERY_LENS if n <= cfg.max_draft_tokens + 1)

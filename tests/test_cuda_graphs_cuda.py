@@ -27,3 +27,10 @@ def test_replayed_logits_equal_eager_logits(checkpoints):
 def test_graphed_drafter_equals_eager_drafter(checkpoints):
     path = checkpoints["llama-gqa"]
     check_drafts(drafter(path, False, "cuda", torch.float32), drafter(path, True, "cuda", torch.float32), tol=1e-4)
+
+
+def test_graphed_eagle3_drafter_equals_eager_drafter(checkpoints, tmp_path):
+    from test_eagle3_drafter import check_graphed_equals_eager, setup
+
+    target, head_dir = setup(checkpoints, tmp_path)
+    check_graphed_equals_eager(target, head_dir, "cuda", torch.float32, tol=1e-4)

@@ -132,3 +132,62 @@ def test_trees_follow_the_head_node_by_node(checkpoints, tmp_path):
         # one wide: the chain of the same depth
         assert fresh([], TreeShape(1, 4, 4)).token_ids == fresh([], ChainShape(4)).token_ids
         context += tree.token_ids[:1] + [step + 30]
+
+
+class _EagerReplay:
+    """Stands in for a captured CUDA graph on the CPU: replay runs the captured body on the statics."""
+
+    def __init__(self, graphs, c) -> None:
+        self.graphs, self.c = graphs, c
+
+    def replay(self) -> None:
+        self.graphs._body(self.c)
+
+
+def graphed(eng: Eagle3DrafterEngine, device: str) -> Eagle3DrafterEngine:
+    from drafter_svc.eagle3_graphs import Eagle3Graphs, _Captured
+
+    if device == "cuda":
+        eng.capture_cuda_graphs()
+        return eng
+    eng.graphs = g = Eagle3Graphs(eng, 3, chain_steps=(2, 4, 5, 6), tree_shapes=(TreeShape(2, 3, 5),))
+    for b in g.batch_sizes:
+        for key in g.keys:
+            c = g.captured[(b, key)] = _Captured(key, b, eng)
+            c.graph = _EagerReplay(g, c)
+    return eng
+
+
+def check_graphed_equals_eager(target, head_dir, device: str, dtype=torch.float64, tol=1e-9) -> None:
+    """Three sequences (a padded bucket of 4), chains with and without assumed tokens and trees:
+    the replayed loops draft the eager engine's tokens."""
+    def make():
+        head = load_eagle3(head_dir, target.spec, dtype, torch.device(device))
+        return Eagle3DrafterEngine(head, target.model.embed_tokens.weight.to(device, dtype), 3, 128)
+
+    eager, fast = make(), graphed(make(), device)
+    contexts = {"a": [3, 14, 15, 92, 65], "b": [35, 89, 79, 32, 38, 46, 26], "c": [43, 38]}
+    sent = dict.fromkeys(contexts, 0)
+    rng = random.Random(7)
+    for step in range(1, 7):
+        tree = step % 3 == 0
+        items = []
+        for sid, ctx in contexts.items():
+            states = target_states(target, eager.head.spec.aux_layers, ctx).to(device, dtype)
+            shape = TreeShape(2, 3, 5) if tree else ChainShape(rng.choice([2, 4]))
+            assumed = [] if tree else [rng.randrange(380) for _ in range(rng.choice([0, 2]))]
+            items.append(DraftItem(sid, len(ctx), ctx[sent[sid]:], assumed, shape,
+                                   hidden=states[max(0, sent[sid] - 1):]))
+            sent[sid] = len(ctx)
+        want, got = eager.step(DrafterStep(step, items)), fast.step(DrafterStep(step, items))
+        assert not want.errors and not got.errors
+        for w, g in zip(want.drafts, got.drafts):
+            assert (w.tree.token_ids, w.tree.parents) == (g.tree.token_ids, g.tree.parents), (step, w.seq_id)
+            assert max(abs(a - b) for a, b in zip(w.tree.logprobs, g.tree.logprobs)) < tol
+        for sid, d in zip(contexts, want.drafts):
+            contexts[sid] += d.tree.token_ids[:1] + [rng.randrange(380)]
+
+
+def test_replayed_draft_loops_equal_eager_ones(checkpoints, tmp_path):
+    target, head_dir = setup(checkpoints, tmp_path)
+    check_graphed_equals_eager(target, head_dir, "cpu")
