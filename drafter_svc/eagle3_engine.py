@@ -83,7 +83,8 @@ class Eagle3DrafterEngine:
         if isinstance(state, SequenceError):
             return state
         if opening:
-            self.fed[state.seq_id], self.rows[state.seq_id] = 0, rows.new_empty(0, self.aux_width)
+            self.fed[state.seq_id] = 0
+            self.rows[state.seq_id] = torch.empty(0, self.aux_width, dtype=self.dtype, device=self.device)
         if got:
             self.rows[state.seq_id] = torch.cat([self.rows[state.seq_id], rows.to(self.device, self.dtype)])
         return state

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from specdec.config import EngineServiceConfig, GatewayConfig, add_device_arguments, env, resolve_device
@@ -19,6 +20,29 @@ def default_models(target: str | None, draft: str | None) -> tuple[Path, Path]:
 
     emb_target, emb_draft = ensure_embedded_models()
     return Path(target or emb_target), Path(draft or emb_draft)
+
+
+def embedded_head_dir() -> Path:
+    from specdec.embedded_head import embedded_head
+
+    return embedded_head()
+
+
+def engine_config(args: argparse.Namespace) -> EngineServiceConfig:
+    """A drafter or verifier; without --model, the embedded defaults: the SmolLM2 target, drafted
+    for by the embedded EAGLE-3 head (the verifier then sends that head's layers)."""
+    role = args.command
+    if args.model_dir:
+        return EngineServiceConfig.from_args(args, role, Path(args.model_dir))
+    target = default_models(None, None)[0]
+    cfg = EngineServiceConfig.from_args(args, role, target)
+    if role == "drafter" and cfg.eagle3_head is None and cfg.controlled is None:
+        return replace(cfg, eagle3_head=embedded_head_dir())
+    if role == "verifier" and not cfg.aux_hidden_layers:
+        from specdec.embedded_head import embedded_head_layers
+
+        return replace(cfg, aux_hidden_layers=embedded_head_layers(target))
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,7 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--max-context", type=int, default=int(env("MAX_CONTEXT", "2048")))
     s.add_argument("--eagle3-head", default=env("EAGLE3_HEAD"),
                    help="draft with this EAGLE-3 head (published layout) instead of --draft; the verifier then "
-                        "sends the head's hidden-state layers with its verdicts")
+                        "sends the head's hidden-state layers with its verdicts (default with no --target and "
+                        "no --draft: the embedded head trained for SmolLM2)")
     s.add_argument("--batch-invariant", action="store_true", default=env("BATCH_INVARIANT", "0") not in ("0", "false", "no"),
                    help="verifier with batch-invariant kernels: every mode bit-identical to mode off in bf16 (slower)")
 
@@ -68,13 +93,13 @@ def main(argv: list[str] | None = None) -> None:
         from specdec.launcher import serve_all
 
         target, draft = default_models(args.target, args.draft)
-        sys.exit(serve_all(args, target, draft))
+        head = args.eagle3_head or (None if args.target or args.draft else embedded_head_dir())
+        sys.exit(serve_all(args, target, draft, Path(head) if head else None))
     elif args.command in ("verifier", "drafter"):
         from specdec.engine_service import run_engine_service
 
-        model_dir = Path(args.model_dir) if args.model_dir else default_models(None, None)[args.command == "drafter"]
         args.device, args.dtype = resolve_device(args.device, args.dtype)
-        run_engine_service(EngineServiceConfig.from_args(args, args.command, model_dir))
+        run_engine_service(engine_config(args))
     elif args.command == "gateway":
         from gateway.server import run_gateway
 

@@ -21,7 +21,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_all(args, target: Path, draft: Path) -> int:
+def serve_all(args, target: Path, draft: Path, eagle3_head: Path | None) -> int:
     verifier_addr = f"127.0.0.1:{free_port()}"
     drafter_addr = f"127.0.0.1:{free_port()}"
     base = [sys.executable, "-m", "specdec.cli"]
@@ -29,13 +29,13 @@ def serve_all(args, target: Path, draft: Path) -> int:
     limits = ["--max-sequences", str(args.max_sequences), "--max-context", str(args.max_context)]
     verifier_flags = ["--batch-invariant"] if args.batch_invariant else []
     drafter_flags = ["--model", str(draft)]
-    if args.eagle3_head:  # the drafter reads the target's embeddings; the verifier sends the head's layers
+    if eagle3_head:  # the drafter reads the target's embeddings; the verifier sends the head's layers
         from specdec.model.eagle3 import Eagle3Spec
         from specdec.model.spec import ModelSpec
 
-        layers = Eagle3Spec.from_pretrained(args.eagle3_head, ModelSpec.from_pretrained(target)).aux_layers
+        layers = Eagle3Spec.from_pretrained(eagle3_head, ModelSpec.from_pretrained(target)).aux_layers
         verifier_flags += ["--aux-hidden-layers", ",".join(map(str, layers))]
-        drafter_flags = ["--model", str(target), "--eagle3-head", str(args.eagle3_head)]
+        drafter_flags = ["--model", str(target), "--eagle3-head", str(eagle3_head)]
     children: list[tuple[str, list[str], str | None]] = [
         ("verifier", [*base, "verifier", "--model", str(target), "--listen", verifier_addr, *device, *limits,
                       "--tp", str(args.tp), *verifier_flags], args.verifier_gpus),

