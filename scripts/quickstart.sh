@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job on the embedded default model: install, start `specdec serve` (SmolLM2-135M-Instruct
-# target + its derived drafter, downloaded and converted once), stream one answer, stop.
+# target, downloaded and converted once, drafted for by the shipped EAGLE-3 head), stream one answer, stop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install.sh

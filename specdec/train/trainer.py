@@ -153,13 +153,12 @@ def _target_pass(target, group: list[Sample], vocab: DraftVocab, aux_layers, dev
     width = max(len(s.ids) for s in group)
     ids = torch.zeros(len(group), width, dtype=torch.long)
     learn = torch.zeros(len(group), width, dtype=torch.bool)
-    for row, s in enumerate(group):
-        ids[row, :len(s.ids)] = torch.tensor(s.ids)
-        learn[row, max(s.answer_start - 1, 0):len(s.ids) - 1] = True   # p predicts token p+1, an answer token
-    ids, learn = ids.to(device), learn.to(device)
     mask = torch.zeros_like(ids)
     for row, s in enumerate(group):
+        ids[row, :len(s.ids)] = torch.tensor(s.ids)
         mask[row, :len(s.ids)] = 1
+        learn[row, max(s.answer_start - 1, 0):len(s.ids) - 1] = True   # p predicts token p+1, an answer token
+    ids, learn, mask = ids.to(device), learn.to(device), mask.to(device)
     captured: list[torch.Tensor] = []   # Hugging Face's last hidden state is after the final norm; ours is before
     hook = target.model.norm.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
     try:
@@ -180,7 +179,7 @@ def _fit(cfg: TrainDrafterConfig, head: Eagle3Head, target, train: list[Sample],
          device) -> tuple[int, float]:
     groups = _batches(train, cfg.batch_tokens, cfg.max_len)
     total = max(1, int(len(groups) * cfg.epochs))
-    params = [p for n, p in head.named_parameters()]
+    params = list(head.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = max(1, total // 30)
     sched = torch.optim.lr_scheduler.LambdaLR(
