@@ -39,6 +39,29 @@ class _Captured:
         self.outputs: tuple[torch.Tensor, ...] = ()
 
 
+def capture_loops(batch_sizes, keys, new, body, scratch_slot: int, device: torch.device, log=None) -> dict:
+    """One graph per (batch bucket, key), largest first so one shared memory pool fits them all:
+    new(b, key) -> the statics (with .graph and .slots), body(c) -> what the graph runs."""
+    t0 = time.perf_counter()
+    captured, pool = {}, None
+    for b in reversed(batch_sizes):
+        for key in reversed(keys):
+            c = new(b, key)
+            body(c)  # eager once: compiles, warms the allocator
+            torch.cuda.synchronize(device)
+            c.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(c.graph, pool=pool):
+                body(c)
+            pool = c.graph.pool()
+            c.slots.fill_(scratch_slot)
+            captured[(b, key)] = c
+    torch.cuda.synchronize(device)
+    if log is not None:
+        log.info("draft graphs captured", graphs=len(captured), keys=[str(k) for k in keys],
+                 seconds=round(time.perf_counter() - t0, 1))
+    return captured
+
+
 class DraftGraphs:
     def __init__(self, runner: ModelRunner, max_batch: int, chain_lengths=DEFAULT_CHAIN_LENGTHS,
                  tree_shapes=DEFAULT_TREE_SHAPES) -> None:
@@ -48,28 +71,10 @@ class DraftGraphs:
         self.slot_len = runner.cache.slot_len
         self.scratch_slot = runner.cache.num_slots - 1
         self.captured: dict[tuple[int, object], _Captured] = {}
-        self.pool = None
 
     def capture(self, log=None) -> None:
-        t0 = time.perf_counter()
-        for b in reversed(self.batch_sizes):       # largest first: the shared pool fits them all
-            for key in reversed(self.keys):
-                self.captured[(b, key)] = self._capture_one(b, key)
-        torch.cuda.synchronize(self.runner.device)
-        if log is not None:
-            log.info("draft graphs captured", graphs=len(self.captured), keys=[str(k) for k in self.keys],
-                     seconds=round(time.perf_counter() - t0, 1))
-
-    def _capture_one(self, b: int, key) -> _Captured:
-        c = self._new(b, key)
-        self._body(c)  # eager once: compiles, warms the allocator
-        torch.cuda.synchronize(self.runner.device)
-        c.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(c.graph, pool=self.pool):
-            self._body(c)
-        self.pool = c.graph.pool()
-        c.slots.fill_(self.scratch_slot)
-        return c
+        self.captured = capture_loops(self.batch_sizes, self.keys, self._new, self._body, self.scratch_slot,
+                                      self.runner.device, log)
 
     def _new(self, b: int, key) -> _Captured:
         logits_dtype = torch.promote_types(self.runner.dtype, torch.float32)  # what the model returns

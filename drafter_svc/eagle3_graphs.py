@@ -9,11 +9,9 @@ slot. The real pairs before the loop (their count varies) run eagerly.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from drafter_svc.draft_graphs import DEFAULT_TREE_SHAPES
+from drafter_svc.draft_graphs import DEFAULT_TREE_SHAPES, capture_loops
 from drafter_svc.eagle3_engine import Eagle3DrafterEngine, greedy_chain, head_tree
 from drafter_svc.types import TreeShape
 from specdec.model.cuda_graphs import batch_buckets
@@ -45,25 +43,10 @@ class Eagle3Graphs:
         self.keys = tuple(sorted(chain_steps)) + tuple(tree_shapes)
         self.scratch_slot = engine.cache.num_slots - 1
         self.captured: dict[tuple[int, object], _Captured] = {}
-        self.pool = None
 
     def capture(self, log=None) -> None:
-        t0 = time.perf_counter()
-        for b in reversed(self.batch_sizes):       # largest first: the shared pool fits them all
-            for key in reversed(self.keys):
-                c = _Captured(key, b, self.engine)
-                self._body(c)                      # eager once: compiles, warms the allocator
-                torch.cuda.synchronize(self.engine.device)
-                c.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(c.graph, pool=self.pool):
-                    self._body(c)
-                self.pool = c.graph.pool()
-                c.slots.fill_(self.scratch_slot)
-                self.captured[(b, key)] = c
-        torch.cuda.synchronize(self.engine.device)
-        if log is not None:
-            log.info("EAGLE-3 draft graphs captured", graphs=len(self.captured),
-                     seconds=round(time.perf_counter() - t0, 1))
+        self.captured = capture_loops(self.batch_sizes, self.keys, lambda b, key: _Captured(key, b, self.engine),
+                                      self._body, self.scratch_slot, self.engine.device, log)
 
     def _body(self, c: _Captured) -> None:
         e = self.engine

@@ -23,8 +23,8 @@ from test_cuda_graphs import EagerGraphs
 class EagerDrafts(DraftGraphs):
     replayed: set = set()  # keys replayed, over all instances
 
-    def _capture_one(self, b: int, key) -> _Captured:
-        return self._new(b, key)
+    def capture(self, log=None) -> None:
+        self.captured = {(b, key): self._new(b, key) for b in self.batch_sizes for key in self.keys}
 
     def _replay(self, c: _Captured) -> None:
         self.replayed.add(c.key)
