@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from drafter_svc.engine import DRAFT_SLACK, admit, apply_item
+from drafter_svc.engine import DRAFT_SLACK, admit, apply_item, split_by_shape
 from drafter_svc.tree_draft import expand, to_trees
-from drafter_svc.types import ChainShape, Draft, DrafterStep, DrafterStepResult, DraftItem, TreeShape
+from drafter_svc.types import Draft, DrafterStep, DrafterStepResult, DraftItem, TreeShape
 from specdec.errors import ErrorCode, SequenceError
 from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded, upload_list
 from specdec.model.eagle3 import Eagle3Head
@@ -94,21 +94,15 @@ class Eagle3DrafterEngine:
         states = [s for s, _ in ready]
         slots = self.table.slots(states, self.device)
         logits, out = self._feed_real_pairs(states, slots)             # [B, Vd], [B, h]
-        trees: list[DraftTree | None] = [None] * len(ready)
-        chains = [i for i, (_, it) in enumerate(ready) if isinstance(it.shape, ChainShape)]
+        chains, trees = split_by_shape(ready)
+        drafted: dict[int, DraftTree] = {}
         if chains:
-            for i, tree in zip(chains, self._chains([ready[i] for i in chains], slots[chains], logits[chains],
-                                                     out[chains])):
-                trees[i] = tree
-        by_shape: dict[TreeShape, list[int]] = {}
-        for i, (_, it) in enumerate(ready):
-            if isinstance(it.shape, TreeShape):
-                by_shape.setdefault(it.shape, []).append(i)
-        for shape, rows in by_shape.items():
-            for i, tree in zip(rows, self._trees([states[i] for i in rows], slots[rows], logits[rows], out[rows],
-                                                 shape)):
-                trees[i] = tree
-        return trees
+            drafted.update(zip(chains, self._chains([ready[i] for i in chains], slots[chains], logits[chains],
+                                                    out[chains])))
+        for shape, rows in trees.items():
+            drafted.update(zip(rows, self._trees([states[i] for i in rows], slots[rows], logits[rows], out[rows],
+                                                 shape)))
+        return [drafted[i] for i in range(len(ready))]
 
     def _feed_real_pairs(self, states: list[SequenceState], slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Real pairs at positions fed-1 .. len-2 (at least the last one, for its output) -> the

@@ -65,15 +65,13 @@ class DrafterEngine:
         if not ready:
             return result
         last_logits = self._catch_up(ready)  # [B, V]
-        chains = [i for i, (_, it) in enumerate(ready) if isinstance(it.shape, ChainShape)]
-        trees = [i for i, (_, it) in enumerate(ready) if isinstance(it.shape, TreeShape)]
+        chains, trees = split_by_shape(ready)
         drafted: dict[int, DraftTree] = {}
         if chains:
             drafted.update(zip(chains, self._draft_chains(
                 [ready[i][0] for i in chains], [ready[i][1].shape.k for i in chains],
                 [ready[i][1].sampling for i in chains], last_logits[chains])))
-        for shape in {ready[i][1].shape for i in trees}:  # one batched expansion per tree shape
-            group = [i for i in trees if ready[i][1].shape == shape]
+        for shape, group in trees.items():  # one batched expansion per tree shape
             states = [ready[i][0] for i in group]
             expanded = expand_trees(self.runner, states, shape, last_logits[group], self.draft_graphs)
             drafted.update(zip(group, expanded))
@@ -213,6 +211,18 @@ def apply_item(table: SequenceTable, item: DraftItem, slot_len: int,
         return SequenceError(item.seq_id, ErrorCode.OUT_OF_CAPACITY,
                              f"sequence reached the drafter's context limit {max_context}")
     return state
+
+
+def split_by_shape(ready: list[tuple[SequenceState, DraftItem]]) -> tuple[list[int], dict[TreeShape, list[int]]]:
+    """Indices of the chain items, and of the tree items grouped by tree shape."""
+    chains: list[int] = []
+    trees: dict[TreeShape, list[int]] = {}
+    for i, (_, it) in enumerate(ready):
+        if isinstance(it.shape, ChainShape):
+            chains.append(i)
+        else:
+            trees.setdefault(it.shape, []).append(i)
+    return chains, trees
 
 
 def admit(req: DrafterStep, apply, close) -> tuple[DrafterStepResult, list[tuple[SequenceState, DraftItem]]]:
