@@ -108,10 +108,9 @@ def main() -> None:
         target, draft = ensure_embedded_models()
     drafter_extra, verifier_extra = [], []
     if a.eagle3_head:
-        from specdec.model.eagle3 import Eagle3Spec
-        from specdec.model.spec import ModelSpec
+        from specdec.model.eagle3 import head_aux_layers
 
-        aux = Eagle3Spec.from_pretrained(a.eagle3_head, ModelSpec.from_pretrained(target)).aux_layers
+        aux = head_aux_layers(a.eagle3_head, target)
         draft = target   # the drafter reads the target checkpoint's embeddings
         drafter_extra = ["--eagle3-head", a.eagle3_head]
         verifier_extra = ["--aux-hidden-layers", ",".join(map(str, aux))]

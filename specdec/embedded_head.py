@@ -34,7 +34,6 @@ def embedded_head() -> Path:
 
 def embedded_head_layers(target_dir: Path) -> tuple[int, ...]:
     """The target layers whose input hidden states the embedded head reads (the verifier sends them)."""
-    from specdec.model.eagle3 import Eagle3Spec
-    from specdec.model.spec import ModelSpec
+    from specdec.model.eagle3 import head_aux_layers
 
-    return Eagle3Spec.from_pretrained(embedded_head(), ModelSpec.from_pretrained(target_dir)).aux_layers
+    return head_aux_layers(embedded_head(), target_dir)

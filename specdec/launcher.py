@@ -30,10 +30,9 @@ def serve_all(args, target: Path, draft: Path, eagle3_head: Path | None) -> int:
     verifier_flags = ["--batch-invariant"] if args.batch_invariant else []
     drafter_flags = ["--model", str(draft)]
     if eagle3_head:  # the drafter reads the target's embeddings; the verifier sends the head's layers
-        from specdec.model.eagle3 import Eagle3Spec
-        from specdec.model.spec import ModelSpec
+        from specdec.model.eagle3 import head_aux_layers
 
-        layers = Eagle3Spec.from_pretrained(eagle3_head, ModelSpec.from_pretrained(target)).aux_layers
+        layers = head_aux_layers(eagle3_head, target)
         verifier_flags += ["--aux-hidden-layers", ",".join(map(str, layers))]
         drafter_flags = ["--model", str(target), "--eagle3-head", str(eagle3_head)]
     children: list[tuple[str, list[str], str | None]] = [

@@ -64,6 +64,11 @@ class Eagle3Spec:
                    bool(raw.get("norm_before_residual", False)))
 
 
+def head_aux_layers(head_dir: str | Path, target_dir: str | Path) -> tuple[int, ...]:
+    """The target layers whose input hidden states the head reads (the verifier's --aux-hidden-layers)."""
+    return Eagle3Spec.from_pretrained(head_dir, ModelSpec.from_pretrained(target_dir)).aux_layers
+
+
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     """Low, middle and high: the inputs of layers 2, L/2 and L-3 (what the EAGLE-3 authors use)."""
     return 2, num_layers // 2, num_layers - 3

@@ -41,10 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(a: argparse.Namespace, target: Path) -> TrainDrafterConfig:
     aux = tuple(int(x) for x in a.aux_layers.split(",")) if a.aux_layers else None
     return TrainDrafterConfig(
-        target, Path(a.out), a.device, a.seed, Path(a.data) if a.data else None,
-        Path(a.save_data) if a.save_data else None, tuple(Path(t) for t in a.text), a.prompts, a.self_instruct,
-        a.heldout, a.max_new_tokens, a.gen_batch, a.draft_vocab, aux, a.ttt_steps, DEFAULTS.decay, a.epochs,
-        a.lr, a.batch_tokens, a.max_len, a.eval_k, a.save_dtype)
+        target=target, out=Path(a.out), device=a.device, seed=a.seed, data=Path(a.data) if a.data else None,
+        save_data=Path(a.save_data) if a.save_data else None, text=tuple(Path(t) for t in a.text),
+        prompts=a.prompts, self_instruct=a.self_instruct, heldout=a.heldout, max_new_tokens=a.max_new_tokens,
+        gen_batch=a.gen_batch, draft_vocab=a.draft_vocab, aux_layers=aux, ttt_steps=a.ttt_steps, epochs=a.epochs,
+        lr=a.lr, batch_tokens=a.batch_tokens, max_len=a.max_len, eval_k=a.eval_k, save_dtype=a.save_dtype)
 
 
 def print_report(report: TrainReport, out: Path) -> None:

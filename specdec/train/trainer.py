@@ -188,7 +188,7 @@ def _fit(cfg: TrainDrafterConfig, head: Eagle3Head, target, train: list[Sample],
     order: list[int] = []
     head.train()
     bar = tqdm(range(total), desc="training head", unit="step")
-    loss_avg = 0.0
+    loss_now = 0.0
     for step in bar:
         if not order:
             order = list(range(len(groups)))
@@ -202,12 +202,12 @@ def _fit(cfg: TrainDrafterConfig, head: Eagle3Head, target, train: list[Sample],
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
         sched.step()
-        loss_avg = 0.95 * loss_avg + 0.05 * loss.item() if step else loss.item()
-        if step % 10 == 0:
+        if step % 10 == 0 or step == total - 1:   # host reads only when the bar is updated
+            loss_now = loss.item()
             acc = chain_stats(head, logits[:1], labels).per_position()[0]
-            bar.set_postfix(loss=f"{loss_avg:.3f}", first=f"{per_step[0]:.3f}", acc0=f"{acc:.2f}")
+            bar.set_postfix(loss=f"{loss_now:.3f}", first=f"{per_step[0].item():.3f}", acc0=f"{acc:.2f}")
     head.eval()
-    return total, loss_avg
+    return total, loss_now
 
 
 @torch.no_grad()

@@ -84,8 +84,8 @@ class Labels:
     in_vocab: torch.Tensor   # [B, T] bool: next_id is in the draft vocabulary
 
 
-def ttt_loss(logits: list[torch.Tensor], labels: Labels, decay: float) -> tuple[torch.Tensor, list[float]]:
-    """Soft cross-entropy to the target per step, weighted decay**j -> (loss, per-step losses).
+def ttt_loss(logits: list[torch.Tensor], labels: Labels, decay: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Soft cross-entropy to the target per step, weighted decay**j -> (loss, per-step losses, detached).
     Positions whose target token the draft vocabulary cannot express teach nothing (masked)."""
     total = logits[0].new_zeros((), dtype=torch.float32)
     per_step = []
@@ -98,7 +98,7 @@ def ttt_loss(logits: list[torch.Tensor], labels: Labels, decay: float) -> tuple[
         ce = -(labels.probs[:, 1 + j:] * F.log_softmax(lg[:, :n].float(), dim=-1)).sum(-1)
         step = (ce * mask).sum() / mask.sum().clamp(min=1.0)
         total = total + decay ** j * step
-        per_step.append(step.item())
+        per_step.append(step.detach())   # read only when logged: no host sync per step
     return total, per_step
 
 
