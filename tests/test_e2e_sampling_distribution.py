@@ -307,7 +307,8 @@ def test_tensor_parallel_verifier_follows_the_target_distribution(tiny, start_cl
 def test_eagle3_drafter_follows_the_target_distribution(tiny, start_cluster, tmp_path):
     """Drafts from an EAGLE-3 head (random, in the published layout, a draft vocabulary of 4 of the
     6 tokens) fed with the verifier's hidden states: point-mass drafts, so the verifier uses the
-    deterministic-children rule. Chain k = 2 with overlap, T = 0.9, top-k 4, N = 1024."""
+    deterministic-children rule. Chain k = 2 with overlap, and trees (top-k 2, depth 2, budget 4):
+    T = 0.9, top-k 4, N = 1024 each."""
     from test_eagle3_head import write_head
 
     target, _ = tiny
@@ -316,12 +317,13 @@ def test_eagle3_drafter_follows_the_target_distribution(tiny, start_cluster, tmp
                           verifier_extra=["--aux-hidden-layers", "1,2,2"],
                           drafter_extra=["--eagle3-head", str(tmp_path / "head")], gateway_extra=["--max-queue", "4096"])
     prompt, params, tokens, n = [2, 5, 1], SamplingParams(0.9, 1.0, 4), 3, 1024
-    jobs = sampled_jobs(n // N_PER_REQUEST, prompt, tokens, "chain", {"k": 2}, params, 60_000)
-    results = run_batch(eagle, jobs)
-    assert all(f.stats.mode == "chain" and f.stats.drafted > 0 for r in results for f in r.finals)
-    assert_matches(counts_at(all_samples(results), (0, 1, 2)), exact_distribution(target, prompt, params, tokens),
-                   "eagle3")
-    assert_same_alone(eagle, jobs, results)
+    exact = exact_distribution(target, prompt, params, tokens)
+    for seed, mode, spec in ((60_000, "chain", {"k": 2}), (70_000, "tree", {"topk": 2, "depth": 2, "budget": 4})):
+        jobs = sampled_jobs(n // N_PER_REQUEST, prompt, tokens, mode, spec, params, seed)
+        results = run_batch(eagle, jobs)
+        assert all(f.stats.mode == mode and f.stats.drafted > 0 for r in results for f in r.finals)
+        assert_matches(counts_at(all_samples(results), (0, 1, 2)), exact, f"eagle3 {mode}")
+        assert_same_alone(eagle, jobs, results)
 
 
 # ---- f. the drafter lost mid-request (last: it kills the module cluster's drafter) ----------------------
