@@ -58,8 +58,10 @@ def _generate(model, prompt: list[int], max_new: int, device: str, **kw) -> SeqT
     return trace
 
 
-def run_hf(pair: ModelPair, prompt: list[int], max_new: int, device: str, dtype: str, k: int = 4) -> list[RunResult]:
-    """HF generate and HF assisted generation on one prompt (batch 1), each after a short warm-up."""
+def run_hf(pair: ModelPair, prompts: list[list[int]], max_new: int, device: str, dtype: str,
+           k: int = 4) -> list[RunResult]:
+    """HF generate and HF assisted generation over the prompts one after another (batch 1), each
+    after a short warm-up."""
     dt = DTYPES[dtype]
     target = _load(pair.target, dt, device)
     assistant = _load(pair.draft, dt, device)
@@ -68,9 +70,9 @@ def run_hf(pair: ModelPair, prompt: list[int], max_new: int, device: str, dtype:
     cfg.assistant_confidence_threshold = 0.0  # always k tokens (no early stop on low confidence)
     rows = []
     for name, kw in (("hf generate", {}), (f"hf assisted k={k}", {"assistant_model": assistant})):
-        _generate(target, prompt, 4, device, **kw)
-        trace = _generate(target, prompt, max_new, device, **kw)
-        rows.append(summarize([trace], "hf", pair.name, name, 1, None))
+        _generate(target, prompts[0], 4, device, **kw)
+        traces = [_generate(target, prompt, max_new, device, **kw) for prompt in prompts]
+        rows.append(summarize(traces, "hf", pair.name, name, 1, None))
     del target, assistant
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -240,7 +240,7 @@ def _gateway_cells(services, cells: tuple[Cell, ...], prompts, pair: ModelPair, 
 def _hf(pair: ModelPair, prompt: list[int], a, dtype: str, state: SuiteState) -> None:
     from benchmarks.hf_baselines import run_hf
 
-    for row in run_hf(pair, prompt, a.max_new_tokens, a.device, dtype):
+    for row in run_hf(pair, [prompt], a.max_new_tokens, a.device, dtype):
         off = next((r for r in state.rows if r.pair == pair.name and r.config == "off" and r.concurrency == 1), None)
         if off is not None:
             row.same_as_off = float(row.outputs[0] == off.outputs[0])

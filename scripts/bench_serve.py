@@ -22,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from cluster import Cluster, request  # noqa: E402
@@ -85,6 +86,20 @@ def run_config(cluster, prompts, n, mode, spec, concurrency) -> dict:
     }
 
 
+def hf_baselines(a, target: Path, prompts: list[list[int]], dtype: str) -> list:
+    """HF generate and assisted generation with the draft model (never the EAGLE-3 head: HF has no such mode)."""
+    from benchmarks.hf_baselines import run_hf
+    from benchmarks.models import ModelPair
+
+    if a.draft:
+        draft = Path(a.draft)
+    else:
+        from specdec.embedded_model import ensure_embedded_models
+
+        draft = ensure_embedded_models()[1]
+    return run_hf(ModelPair("hf", target, draft, False), prompts, a.max_new_tokens, a.device, dtype)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target")
@@ -98,6 +113,9 @@ def main() -> None:
     p.add_argument("--prompts", default="fixed", choices=["fixed", "heldout"],
                    help="fixed: the 8 prompts above; heldout: the first --num-prompts held-out training prompts")
     p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--hf", action="store_true",
+                   help="also Hugging Face generate and assisted generation (k = 4, the --draft model, default the "
+                        "derived SmolLM2 drafter) over the same prompts one at a time, in the same run")
     p.add_argument("--json-out", default=None)
     a = p.parse_args()
     if a.target:
@@ -149,6 +167,7 @@ def main() -> None:
                     bar.update()
     finally:
         cluster.stop()
+    hf_rows = hf_baselines(a, target, prompts, dtype) if a.hf else []
     print(f"\ntarget={target.name} draft={a.eagle3_head or draft.name} prompts={a.prompts} device={a.device} dtype={dtype} "
           f"max_new_tokens={a.max_new_tokens}")
     print("| C | config | tok/s | TPOT p50 ms | TPOT p99 ms | TTFT p50 ms | accept len | overlap hit | vs off | same tokens as off |")
@@ -159,6 +178,14 @@ def main() -> None:
         print(f"| {r['concurrency']} | {r['config']} | {r['tok_s']:.1f} | {r['tpot_p50_ms']:.1f} | "
               f"{r['tpot_p99_ms']:.1f} | {r['ttft_p50_ms']:.1f} | {r['accept_len']:.2f} | {hit} | {spd} | "
               f"{r.get('lossless', '-')} |")
+    if hf_rows:
+        base = hf_rows[0].tok_s
+        print("\n| Hugging Face, C = 1 | tok/s | TPOT p50 ms | vs hf generate | same tokens as our off |")
+        print("|---|---|---|---|---|")
+        ours = next(r for r in rows if r["config"] == "off" and r["concurrency"] == 1)
+        for r in hf_rows:
+            print(f"| {r.config} | {r.tok_s:.1f} | {r.tpot_p50_ms:.1f} | {r.tok_s / base:.2f}x | "
+                  f"{r.outputs == ours['outputs']} |")
     if a.json_out:
         Path(a.json_out).write_text(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in rows], indent=1))
 
