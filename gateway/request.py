@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections import Counter
 from dataclasses import dataclass, field
 
 from specdec.sampling import SamplingParams
@@ -16,6 +17,7 @@ class Mode(str, enum.Enum):
     CHAIN = "chain"
     TREE = "tree"
     OFF = "off"
+    AUTO = "auto"    # a request's mode only: each step the policy picks one of the others
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class Stats:
     committed_by_steps: int = 0
     overlap_hits: int = 0
     overlap_misses: int = 0
+    steps_by_mode: Counter = field(default_factory=Counter)   # auto: verify steps per choice name
 
     @property
     def mean_accepted_length(self) -> float:
@@ -86,6 +89,11 @@ class ActiveRequest:
     verifier: str = ""                          # replica address this request is pinned to
     drafter: str | None = None                  # drafter replica address (None: no speculation)
     drafter_len: int = 0                        # committed tokens the drafter has been sent
+    # The shape drafts are made with: the request's own, or what `--mode auto` chose this step.
+    settings: SpecSettings | None = None
+    auto: bool = False                          # mode auto: `mode` and `settings` change per step
+    choice: str = ""                            # auto: the name of this step's choice
+    draft_family: str = ""                      # acceptance family of `draft` ("chain" or a tree shape)
     draft: DraftTree | None = None              # ready for the next verify, made from len(tokens)
     predraft: DraftTree | None = None           # chain overlap: made assuming the in-flight draft passes
     # EAGLE-3: the verifier's hidden-state rows (TensorPayload) of committed tokens not yet sent to
@@ -94,6 +102,17 @@ class ActiveRequest:
     stats: Stats = field(default_factory=Stats)
     cancelled: bool = False
     finished: bool = False
+
+    def __post_init__(self) -> None:
+        if self.settings is None:
+            self.settings = self.req.spec
+        if self.mode == Mode.AUTO:
+            self.auto = True
+
+    @property
+    def speculates(self) -> bool:
+        """It drafts now or may later (auto): it keeps its drafter state and hidden states."""
+        return self.auto or self.mode != Mode.OFF
 
     @property
     def generated(self) -> int:

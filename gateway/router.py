@@ -13,11 +13,14 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
+from gateway.auto.controller import AutoController
 from gateway.backends import StepStream
 from gateway.hold import NO_HOLD, HoldGate
 from gateway.replicas import Replica, ReplicaSet
 from gateway.request import ActiveRequest, Mode
 from gateway.scheduler import Scheduler
+from specdec.cost_profile import StepCost
+from specdec.rpc.convert import costs_from_info
 
 
 class NoBackend(RuntimeError):
@@ -30,7 +33,8 @@ class QueueFull(RuntimeError):
 
 class Router:
     def __init__(self, verifier_spec: str, drafter_spec: str | None, max_queue: int, eos_ids: set[int],
-                 hold: HoldGate = NO_HOLD) -> None:
+                 hold: HoldGate = NO_HOLD, auto_cycle: bool = False) -> None:
+        self.auto_cycle = auto_cycle   # tests only (--test-auto-cycle)
         self.verifiers = ReplicaSet("verifier", verifier_spec)
         self.drafters = ReplicaSet("drafter", drafter_spec) if drafter_spec else None
         self.max_queue = max_queue
@@ -97,11 +101,20 @@ class Router:
                 min(i.max_sequences for i in infos))
 
     def _start_scheduler(self, replica: Replica) -> None:
+        auto = AutoController(costs_from_info(replica.info), self._drafter_costs, replica.info.max_draft_tokens,
+                              cycle=self.auto_cycle)
         sched = Scheduler(StepStream("verifier", replica.address), replica.info.max_sequences, self.eos_ids,
-                          on_done=self._on_done, on_lost=self._on_lost, hold=self.hold)
+                          on_done=self._on_done, on_lost=self._on_lost, hold=self.hold, auto=auto)
         self.schedulers[replica.address] = sched
         task = asyncio.get_running_loop().create_task(sched.run())
         self._tasks.add(task)
+
+    def _drafter_costs(self) -> list[StepCost]:
+        """A drafter replica's cost profile (replicas serve one draft model: any profiled one)."""
+        for d in self.drafters.healthy() if self.drafters else []:
+            if d.info is not None and d.info.step_costs:
+                return costs_from_info(d.info)
+        return []
 
     def submit(self, samples: list[ActiveRequest]) -> Scheduler:
         """Pin a request's samples to one verifier (they share its prefill) and each to a drafter."""

@@ -12,11 +12,13 @@ verifier fails this scheduler's requests with UNAVAILABLE.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import structlog
 
+from gateway.auto.controller import AutoController, draft_family, draft_shape_name
 from gateway.backends import BackendLost, StepStream
 from gateway.hold import NO_HOLD, POLL_SECONDS, HoldGate
 from gateway.request import ActiveRequest, Event, Mode
@@ -30,8 +32,9 @@ class Scheduler:
     def __init__(self, verifier: StepStream, max_sequences: int, eos_ids: set[int],
                  on_done: Callable[[ActiveRequest], None] = lambda r: None,
                  on_lost: Callable[[str, str], None] = lambda role, address: None,
-                 hold: HoldGate = NO_HOLD) -> None:
+                 hold: HoldGate = NO_HOLD, auto: AutoController | None = None) -> None:
         self.verifier = verifier
+        self.auto = auto            # `--mode auto`: plans each step's speculation, learns costs
         self.max_sequences = max_sequences
         self.eos_ids = eos_ids
         self.on_done = on_done      # a request left this scheduler (router bookkeeping)
@@ -52,8 +55,8 @@ class Scheduler:
 
     # ---- called by the router ----------------------------------------------------------------
     def submit(self, r: ActiveRequest) -> None:
-        if r.drafter is None:
-            r.mode = Mode.OFF
+        if r.drafter is None or (r.auto and self.auto is None):
+            r.mode, r.auto = Mode.OFF, False
         self.pending.append(r)
         self.wakeup.set()
 
@@ -99,6 +102,8 @@ class Scheduler:
         opens = self._admit()
         opened = {r.seq_id for r in opens}
         continuing = [r for r in self.active.values() if r not in opens and not self.hold.held(r)]
+        if self.auto is not None:
+            self.auto.plan(continuing)
         need = [r for r in continuing if r.mode != Mode.OFF and r.draft is None]
         if need:
             await self._draft_all(need, predraft=False)
@@ -108,14 +113,18 @@ class Scheduler:
             open=[verifier_pb2.OpenSequence(
                 seq_id=r.seq_id, prompt_ids=r.tokens, sampling=sampling_to_proto(r.sampling),
                 share_prefill_with=r.prefill_leader if r.prefill_leader in opened else "",
-                want_hidden_states=r.mode != Mode.OFF) for r in opens],
+                want_hidden_states=r.speculates) for r in opens],
             verify=[verifier_pb2.VerifyItem(seq_id=r.seq_id, committed_len=len(r.tokens),
                                             draft=tree_to_proto(r.draft or DraftTree())) for r in continuing],
             close=self.close_verifier,
         )
         self.close_verifier = []
-        overlap = [r for r in continuing if r.mode == Mode.CHAIN and r.req.spec.overlap and r.draft]
-        verdicts, _ = await asyncio.gather(self.verifier.step(verify_msg), self._draft_all(overlap, predraft=True))
+        overlap = [r for r in continuing if r.mode == Mode.CHAIN and r.settings.overlap and r.draft]
+        (verdicts, seconds), _ = await asyncio.gather(timed(self.verifier.step(verify_msg)),
+                                                      self._draft_all(overlap, predraft=True))
+        if self.auto is not None and continuing and not opens:   # (a prefill would blur the verify's cost)
+            width = max(len(r.draft) + 1 if r.draft else 1 for r in continuing)
+            self.auto.observe_verify(len(continuing), width, seconds, overlapped=bool(overlap))
         self._apply_verdicts(verdicts)
 
     def _admit(self) -> list[ActiveRequest]:
@@ -142,9 +151,10 @@ class Scheduler:
         await asyncio.gather(*(self._draft(address, group, predraft) for address, group in groups.items()))
 
     async def _draft(self, address: str, reqs: list[ActiveRequest], predraft: bool) -> None:
-        items = []
+        items, shapes = [], set()
         for r in reqs:
-            spec = r.req.spec
+            spec = r.settings
+            shapes.add(draft_shape_name(spec, r.mode, predraft))
             item = drafter_pb2.DraftItem(seq_id=r.seq_id, committed_len=len(r.tokens),
                                          append_ids=r.tokens[r.drafter_len:], sampling=sampling_to_proto(r.sampling))
             if predraft:  # draft after the in-flight draft; one extra token guesses the bonus
@@ -163,10 +173,12 @@ class Scheduler:
                                            close=self.close_drafter.pop(address, []))
         stream = self.drafters.get(address) or self.drafters.setdefault(address, StepStream("drafter", address))
         try:
-            resp = await stream.step(msg)
+            resp, seconds = await timed(stream.step(msg))
         except BackendLost as exc:
             self._drafter_lost(address, str(exc))
             return
+        if self.auto is not None and len(shapes) == 1:
+            self.auto.observe_draft(len(items), shapes.pop(), seconds, overlapped=predraft)
         by_id = {r.seq_id: r for r in reqs}
         for err in map(error_from_proto, resp.errors):
             r = by_id.get(err.seq_id)
@@ -182,11 +194,12 @@ class Scheduler:
                 r.predraft = tree_from_proto(d.tree)
             else:
                 r.draft = tree_from_proto(d.tree)
+                r.draft_family = draft_family(r.settings, r.mode)
 
     def _stop_speculating(self, r: ActiveRequest) -> None:
         if r.drafter_len:
             self.close_drafter[r.drafter].append(r.seq_id)
-        r.mode, r.draft, r.predraft, r.drafter_len, r.hidden_rows = Mode.OFF, None, None, 0, []
+        r.mode, r.draft, r.predraft, r.drafter_len, r.hidden_rows, r.auto = Mode.OFF, None, None, 0, [], False
 
     def _drafter_lost(self, address: str, reason: str) -> None:
         affected = [r for r in self.active.values() if r.drafter == address]
@@ -196,7 +209,7 @@ class Scheduler:
         self.close_drafter.pop(address, None)
         self.on_lost("drafter", address)
         for r in affected:  # a draft already made stays valid and is still verified
-            r.mode, r.predraft, r.drafter_len, r.hidden_rows = Mode.OFF, None, 0, []
+            r.mode, r.predraft, r.drafter_len, r.hidden_rows, r.auto = Mode.OFF, None, 0, [], False
 
     # ---- verdicts ----------------------------------------------------------------------------
     def _apply_verdicts(self, resp: verifier_pb2.VerifyStepResponse) -> None:
@@ -214,7 +227,7 @@ class Scheduler:
             if v.committed_len != len(r.tokens) + len(accepted):
                 self._fail(r, "INTERNAL", f"verifier and gateway disagree on the length of {r.seq_id}")
                 continue
-            if v.HasField("hidden_states") and r.mode != Mode.OFF:
+            if v.HasField("hidden_states") and r.speculates:
                 r.hidden_rows.append(v.hidden_states)
             if len(r.tokens) > len(r.req.prompt_ids):  # a verify step, not the prefill
                 self._count_step(r, accepted, v.accepted_drafts)
@@ -228,10 +241,13 @@ class Scheduler:
         s.accepted += accepted_drafts
         s.committed_by_steps += len(accepted)
         full = r.draft is not None and accepted_drafts == drafted
+        if self.auto is not None:
+            self.auto.observe_verdict(r, r.draft.shape()[0] if r.draft else 0, accepted_drafts)
         r.draft = None
         if r.predraft is not None:
             if full and len(r.predraft) > 1 and r.predraft.token_ids[0] == accepted[-1]:
                 r.draft = r.predraft.suffix(1)
+                r.draft_family = "chain"
                 s.overlap_hits += 1
             else:
                 s.overlap_misses += 1
@@ -260,6 +276,8 @@ class Scheduler:
     # ---- endings -----------------------------------------------------------------------------
     def _retire(self, r: ActiveRequest) -> None:
         if self.active.pop(r.seq_id, None) is not None:
+            if self.auto is not None:
+                self.auto.forget(r)
             self.close_verifier.append(r.seq_id)
             if r.drafter_len and r.drafter in self.drafters:
                 self.close_drafter[r.drafter].append(r.seq_id)
@@ -272,6 +290,8 @@ class Scheduler:
 
     def _fail_all(self, status: str, message: str) -> None:
         for r in list(self.active.values()) + list(self.pending):
+            if self.auto is not None:
+                self.auto.forget(r)
             r.finished = True
             r.events.put_nowait(Event(r.sample_index, error=(status, message)))
             self.on_done(r)
@@ -289,3 +309,10 @@ def concat_payloads(parts: list[common_pb2.TensorPayload]) -> common_pb2.TensorP
     first = parts[0]
     return common_pb2.TensorPayload(dtype=first.dtype, shape=[sum(p.shape[0] for p in parts), *first.shape[1:]],
                                     data=b"".join(p.data for p in parts))
+
+
+async def timed(call: Awaitable) -> tuple[object, float]:
+    """(the call's result, its wall seconds)."""
+    t0 = time.perf_counter()
+    result = await call
+    return result, time.perf_counter() - t0

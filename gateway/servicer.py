@@ -87,6 +87,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             stats=gateway_pb2.SpeculationStats(
                 steps=s.steps, drafted=s.drafted, accepted=s.accepted,
                 mean_accepted_length=s.mean_accepted_length,
-                overlap_hits=s.overlap_hits, overlap_misses=s.overlap_misses, mode=r.mode.value,
+                overlap_hits=s.overlap_hits, overlap_misses=s.overlap_misses,
+                mode="auto" if r.auto else r.mode.value, steps_by_mode=dict(s.steps_by_mode),
             ),
         )

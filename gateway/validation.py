@@ -15,10 +15,10 @@ MAX_SAMPLES = 16
 
 MAX_STOP_STRINGS = 16
 MODES = {
-    gateway_pb2.SPEC_MODE_UNSPECIFIED: Mode.CHAIN,
     gateway_pb2.SPEC_MODE_CHAIN: Mode.CHAIN,
     gateway_pb2.SPEC_MODE_TREE: Mode.TREE,
     gateway_pb2.SPEC_MODE_OFF: Mode.OFF,
+    gateway_pb2.SPEC_MODE_AUTO: Mode.AUTO,
 }
 
 
@@ -62,9 +62,12 @@ class RequestValidator:
 
     def spec(self, msg: gateway_pb2.SpeculationConfig) -> SpecSettings:
         c = self.cfg
-        mode = MODES.get(msg.mode)
+        mode = Mode(c.default_mode) if msg.mode == gateway_pb2.SPEC_MODE_UNSPECIFIED else MODES.get(msg.mode)
         if mode is None:
             raise InvalidRequest(f"unknown speculation mode {msg.mode}")
+        if mode == Mode.AUTO and (msg.k or msg.topk or msg.depth or msg.budget):
+            raise InvalidRequest("mode auto chooses k, topk, depth and budget itself: leave them 0, or name the "
+                                 "mode (chain or tree) to fix them")
         most = self.max_draft_tokens
         return SpecSettings(
             mode=mode,

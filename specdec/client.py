@@ -11,14 +11,16 @@ import grpc
 from specdec.config import env
 from specdec.rpc import gateway_pb2, gateway_pb2_grpc
 
-MODES = {"chain": gateway_pb2.SPEC_MODE_CHAIN, "tree": gateway_pb2.SPEC_MODE_TREE, "off": gateway_pb2.SPEC_MODE_OFF}
+MODES = {"default": gateway_pb2.SPEC_MODE_UNSPECIFIED, "auto": gateway_pb2.SPEC_MODE_AUTO,
+         "chain": gateway_pb2.SPEC_MODE_CHAIN, "tree": gateway_pb2.SPEC_MODE_TREE, "off": gateway_pb2.SPEC_MODE_OFF}
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", default=None, help="text prompt (tokenizer's special-token rules apply)")
     p.add_argument("--gateway", default=env("GATEWAY_ADDR", "127.0.0.1:50051"))
     p.add_argument("--token-ids", default=None, help="comma-separated prompt token ids, used exactly as given")
-    p.add_argument("--mode", choices=list(MODES), default="chain")
+    p.add_argument("--mode", choices=list(MODES), default="default",
+                   help="speculation mode (default: the gateway's --default-mode, auto unless configured)")
     p.add_argument("--k", type=int, default=0, help="chain draft length (0 = server default)")
     p.add_argument("--no-overlap", action="store_true", help="chain: do not pre-draft during verification")
     p.add_argument("--topk", type=int, default=0)
@@ -102,6 +104,7 @@ def summary(final, ids: list[int], text: str) -> dict:
             "mode": s.mode, "steps": s.steps, "drafted": s.drafted, "accepted": s.accepted,
             "mean_accepted_length": s.mean_accepted_length,
             "overlap_hits": s.overlap_hits, "overlap_misses": s.overlap_misses,
+            "steps_by_mode": dict(s.steps_by_mode),
         },
     }
 

@@ -65,6 +65,7 @@ class EngineServiceConfig:
     batch_invariant: bool = False  # batch-invariant matmuls and attention (bit-identical modes)
     aux_hidden_layers: tuple[int, ...] = ()  # verifier: layer inputs whose hidden states verdicts carry
     eagle3_head: Path | None = None  # drafter: an EAGLE-3 head (--model is then the target checkpoint)
+    cost_profile: bool = True        # time engine steps at start-up for the gateway's --mode auto
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
@@ -85,6 +86,11 @@ class EngineServiceConfig:
                        default=env("CUDA_GRAPHS", "1") not in ("0", "false", "no"),
                        help="capture the repeating step forwards as CUDA graphs at start-up (cuda, --tp 1; "
                             "env SPECDEC_CUDA_GRAPHS=0 turns it off)")
+        p.add_argument("--cost-profile", action=argparse.BooleanOptionalAction,
+                       default=env("COST_PROFILE", "1") not in ("0", "false", "no"),
+                       help="time engine steps per batch size and shape at start-up and report them, for the "
+                            "gateway's --mode auto (env SPECDEC_COST_PROFILE=0 turns it off; auto then falls "
+                            "back to the default chain)")
         if role == "verifier":
             p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
                            default=env("BATCH_INVARIANT", "0") not in ("0", "false", "no"),
@@ -125,7 +131,7 @@ class EngineServiceConfig:
         return cls(role, model_dir, a.listen, a.device, a.dtype, a.max_sequences, a.max_context,
                    a.max_draft_tokens, a.tp, a.cuda_graphs, controlled, getattr(a, "batch_invariant", False),
                    parse_layers(getattr(a, "aux_hidden_layers", "")),
-                   Path(a.eagle3_head) if getattr(a, "eagle3_head", None) else None)
+                   Path(a.eagle3_head) if getattr(a, "eagle3_head", None) else None, a.cost_profile)
 
 
 def parse_layers(text: str) -> tuple[int, ...]:
@@ -164,6 +170,8 @@ class GatewayConfig:
     default_budget: int
     resolve_interval: float
     test_hold_dir: Path | None = None
+    default_mode: str = "auto"      # for requests that leave the mode unspecified
+    test_auto_cycle: bool = False   # tests only: auto cycles through its choices step by step
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -182,6 +190,9 @@ class GatewayConfig:
                        help="requests waiting for a KV slot before new ones get RESOURCE_EXHAUSTED")
         p.add_argument("--max-new-tokens", type=int, default=int(env("MAX_NEW_TOKENS", "256")),
                        help="default when a request leaves it 0")
+        p.add_argument("--default-mode", choices=["auto", "chain", "tree", "off"], default=env("DEFAULT_MODE", "auto"),
+                       help="speculation mode of requests that do not name one (auto: chosen per step from the "
+                            "measured acceptance and step costs; see README)")
         p.add_argument("--k", type=int, default=int(env("CHAIN_K", "4")), help="default chain draft length")
         p.add_argument("--topk", type=int, default=int(env("TREE_TOPK", "4")))
         p.add_argument("--depth", type=int, default=int(env("TREE_DEPTH", "4")))
@@ -189,10 +200,13 @@ class GatewayConfig:
         p.add_argument("--test-hold-dir", default=env("TEST_HOLD_DIR"),
                        help="tests only: a file DIR/<request_id> holding N stops that request after N tokens "
                             "until the file is removed (gateway/hold.py)")
+        p.add_argument("--test-auto-cycle", action="store_true",
+                       help="tests only: mode auto takes each of its choices in turn, one step each, instead of "
+                            "the best one (exercises every switch between shapes)")
 
     @classmethod
     def from_args(cls, a: argparse.Namespace, tokenizer_dir: Path) -> GatewayConfig:
         drafter = None if (a.drafter or "none").lower() == "none" else a.drafter
         return cls(a.listen, a.verifier, drafter, tokenizer_dir, a.max_queue, a.max_new_tokens,
                    a.k, a.topk, a.depth, a.budget, a.resolve_interval,
-                   Path(a.test_hold_dir) if a.test_hold_dir else None)
+                   Path(a.test_hold_dir) if a.test_hold_dir else None, a.default_mode, a.test_auto_cycle)

@@ -35,6 +35,7 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
         max_sequences=cfg.max_sequences, max_draft_tokens=cfg.max_draft_tokens, device=cfg.device, dtype=cfg.dtype,
     )
     if cfg.role == "verifier":
+        from verifier_svc.cost_profile import measure_verify_costs as measure_costs
         from verifier_svc.engine import VerifierEngine
         from verifier_svc.servicer import VerifierServicer
         from verifier_svc.warmup import warm_up
@@ -49,6 +50,7 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
         servicer = VerifierServicer(engine, info, log, executor)
         register = lambda server: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)  # noqa: E731
     else:
+        from drafter_svc.cost_profile import measure_draft_costs as measure_costs
         from drafter_svc.engine import DrafterEngine
         from drafter_svc.servicer import DrafterServicer
         from drafter_svc.warmup import warm_up
@@ -86,6 +88,12 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
                     await loop.run_in_executor(executor, runner.capture_cuda_graphs, cfg.max_sequences, lens, log)
             log.info("warming up")
             await loop.run_in_executor(executor, warm_up, engine)
+            if cfg.cost_profile:
+                costs = await loop.run_in_executor(executor, measure_costs, engine)
+                info.step_costs.extend(common_pb2.StepCost(shape=c.shape, batch=c.batch, seconds=c.seconds)
+                                       for c in costs)
+                log.info("cost profile measured", entries=len(costs),
+                         seconds_b1={c.shape: round(c.seconds, 6) for c in costs if c.batch == 1})
         except Exception as exc:
             log.exception("start-up failed; exiting")
             raise SystemExit(f"{cfg.role}: graph capture or warm-up failed, the engine cannot serve: {exc}") from exc

@@ -144,7 +144,8 @@ def replica_name(role: str, index: int) -> str:
     return role if index == 0 else f"{role}.{index}"
 
 
-MODES = {"chain": gateway_pb2.SPEC_MODE_CHAIN, "tree": gateway_pb2.SPEC_MODE_TREE, "off": gateway_pb2.SPEC_MODE_OFF}
+MODES = {"default": gateway_pb2.SPEC_MODE_UNSPECIFIED, "auto": gateway_pb2.SPEC_MODE_AUTO,
+         "chain": gateway_pb2.SPEC_MODE_CHAIN, "tree": gateway_pb2.SPEC_MODE_TREE, "off": gateway_pb2.SPEC_MODE_OFF}
 
 
 def request(prompt_ids: list[int], max_new_tokens: int, mode: str = "chain", stop_at_eos: bool = False,

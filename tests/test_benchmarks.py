@@ -105,3 +105,28 @@ def test_controlled_drafter_keeps_each_position_with_probability_a(checkpoints, 
     is_ref = [t == full[1][base + depth[n]] for n, t in enumerate(tree.token_ids, start=1)]
     on_path = sum(is_ref)
     assert on_path == max(depth)  # a = 1: the whole path to the deepest node, and nothing else
+
+
+def test_tiny_concurrency_sweep_with_auto(tmp_path):
+    """The sweep on tiny models: every mode and auto at each (a, C), auto lossless and turning
+    speculation off at a = 0 and on at a = 1, the section with its aims between its own markers."""
+    from benchmarks import sweep, sweep_report
+
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text(f"# Benchmarks\n\n{report.BEGIN}\nsuite\n{report.END}\n")
+    results = sweep.main([
+        "--device", "cpu", "--tiny", "--parts", "random", "--acceptance", "0", "1", "--concurrency", "1", "3",
+        "--modes", "off", "chain k=2", "auto", "--max-new-tokens", "24", "--out-dir", str(tmp_path / "out"),
+        "--report", str(md), "--ckpt-dir", str(tmp_path / "ckpt"), "--work-dir", str(tmp_path / "work"),
+    ])
+    rows = json.loads(results.read_text())["rows"]
+    assert len(rows) == 2 + 2 * 2 * 2      # off per C + a x C x (chain, auto)
+    auto = {(r["acceptance"], r["concurrency"]): r for r in rows if r["config"] == "auto"}
+    assert all(r["same_as_off"] == 1.0 for r in auto.values())
+    for c in (1, 3):
+        assert auto[(0.0, c)]["accepted"] == 0 and auto[(0.0, c)]["drafted"] <= auto[(0.0, c)]["steps"] // 4
+        assert auto[(1.0, c)]["accept_len"] > 2.0
+    text = md.read_text()
+    assert "suite" in text and text.count(sweep_report.BEGIN) == 1 and sweep_report.END in text
+    section = text.split(sweep_report.BEGIN)[1]
+    assert "### tiny random, a = 1" in section and "auto / best fixed" in section and "### Aims" in section

@@ -55,3 +55,17 @@ def test_eagle3_without_hidden_states_stays_lossless(checkpoints, head, start_cl
     assert ids == hf_greedy(target, PROMPTS[0], 16) and final.stats.mode == "off"
     # the gateway did not pair them (rather than the drafter refusing each request)
     assert "disagree on hidden-state layers" in (cluster.log_dir / "gateway.log").read_text()
+
+
+def test_eagle3_under_auto_switching_shapes_every_step(checkpoints, head, start_cluster):
+    """Auto cycling through off, chains and trees: hidden states of the tokens committed while off
+    are kept and forwarded when drafting resumes, so the drafter never refuses a request (it would
+    end in mode off) and the output stays lossless."""
+    target = checkpoints["llama-gqa"]
+    cluster = start_cluster(target, target, verifier_extra=["--aux-hidden-layers", "1,2,3"],
+                            drafter_extra=["--eagle3-head", str(head)], gateway_extra=["--test-auto-cycle"])
+    for prompt in PROMPTS:
+        ids, final = cluster.generate(prompt, 32, "auto")
+        assert ids == hf_greedy(target, prompt, 32)
+        s = final.stats
+        assert s.mode == "auto" and s.steps_by_mode["off"] >= 2 and s.drafted > 0, s

@@ -98,3 +98,38 @@ def test_concurrent_requests_equal_their_solo_runs(checkpoints, start_cluster):
         results = list(pool.map(lambda j: cluster.generate(j[0], j[1], j[2], **j[3]), jobs))
     for (prompt, n, mode, spec), (ids, _) in zip(jobs, results):
         assert ids == hf_greedy(target, prompt, n), f"{mode} {spec} prompt={prompt}"
+
+
+# ---- --mode auto ----------------------------------------------------------------------------------------
+
+
+def test_auto_switching_shapes_every_step_is_lossless(checkpoints, start_cluster):
+    """--test-auto-cycle: auto takes each of its choices in turn (off, chains of every k with and
+    without overlap, the trees), so a request switches shape at every step, dropping pre-drafts made
+    for another shape and catching the drafter up after off steps. Alone and 12 at once (mixed with
+    fixed-mode requests), every output equals HF's."""
+    target = checkpoints["llama-gqa"]
+    cluster = start_cluster(target, target, gateway_extra=["--test-auto-cycle"])  # self-drafted: long accepts
+    for prompt in PROMPTS:
+        ids, final = cluster.generate(prompt, 64, "auto")
+        assert ids == hf_greedy(target, prompt, 64)
+        s = final.stats
+        assert s.mode == "auto" and sum(s.steps_by_mode.values()) == s.steps
+        assert {"off", "chain k=4 overlap", "chain k=8", "tree 4/4/16"} <= set(s.steps_by_mode), s.steps_by_mode
+        assert s.accepted > 0 and s.overlap_hits > 0
+    jobs = [([(7 * i + j * 13) % 380 + 2 for j in range(3 + i % 4 * 5)], 10 + (i * 7) % 30,
+             *(("auto", {}) if i % 3 else MODES[i % len(MODES)])) for i in range(12)]
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(lambda j: cluster.generate(j[0], j[1], j[2], **j[3]), jobs))
+    for (prompt, n, mode, spec), (ids, _) in zip(jobs, results):
+        assert ids == hf_greedy(target, prompt, n), f"{mode} {spec} prompt={prompt}"
+
+
+def test_auto_is_the_default_mode_and_stays_lossless(checkpoints, start_cluster):
+    """Requests that name no mode run auto (the real policy, with the services' cost profiles)."""
+    target = checkpoints["llama-gqa"]
+    cluster = start_cluster(target, target)
+    assert cluster.info("verifier").step_costs and cluster.info("drafter").step_costs
+    ids, final = cluster.generate(PROMPTS[2], 32, "default")
+    assert ids == hf_greedy(target, PROMPTS[2], 32)
+    assert final.stats.mode == "auto" and sum(final.stats.steps_by_mode.values()) == final.stats.steps

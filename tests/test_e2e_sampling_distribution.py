@@ -326,6 +326,26 @@ def test_eagle3_drafter_follows_the_target_distribution(tiny, start_cluster, tmp
         assert_same_alone(eagle, jobs, results)
 
 
+# ---- e2. mode auto switching shapes every step ------------------------------------------------------------
+
+
+def test_auto_switching_shapes_follows_the_target_distribution(tiny, start_cluster):
+    """--test-auto-cycle: each step of the batch takes the next of auto's choices (off, chains with
+    and without overlap, trees), so a request's tokens come from different rules step by step; the
+    output still follows the exact distribution (T = 1, N = 3072 over tokens 1-3)."""
+    target, draft = tiny
+    auto = start_cluster(target, draft, extra=["--max-sequences", "512"],
+                         gateway_extra=["--max-queue", "4096", "--test-auto-cycle"])
+    prompt, params, tokens, positions, n = [5, 5, 2], SamplingParams(1.0), 4, (1, 2, 3), 3072
+    assert_chain_powerful(target, draft, prompt, params, 2, tokens, positions, n)
+    results = run_batch(auto, sampled_jobs(n // N_PER_REQUEST, prompt, tokens, "auto", {}, params, 80_000))
+    finals = [f for r in results for f in r.finals]
+    used = Counter(name for f in finals for name, steps in f.stats.steps_by_mode.items() if steps)
+    assert len(used) >= 6 and used["off"] and any(name.startswith("tree") for name in used), used
+    assert_matches(counts_at(all_samples(results), positions),
+                   marginal(exact_distribution(target, prompt, params, tokens), positions), "auto cycling")
+
+
 # ---- f. the drafter lost mid-request (last: it kills the module cluster's drafter) ----------------------
 
 

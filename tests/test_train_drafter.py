@@ -19,7 +19,7 @@ from specdec.model.batch import ForwardBatch, causal_region
 from specdec.model.eagle3 import load_eagle3
 from specdec.model.kv_cache import KVCache
 from specdec.model.spec import ModelSpec
-from specdec.train.distill import Sample, self_distill
+from specdec.train.distill import Sample, clean_question, self_distill
 from specdec.train.prompts import TOPICS, _items, build_prompts
 from specdec.train.trainer import TrainDrafterConfig, _fit, _new_head, evaluate
 from specdec.train.ttt import ttt_forward
@@ -70,6 +70,16 @@ def test_draft_vocab_keeps_the_most_frequent_tokens():
     assert vocab.t2d(12).nonzero()[:, 0].tolist() == [5, 7, 11]
     assert vocab.coverage == pytest.approx(6 / 8)
     assert select_draft_vocab(samples, vocab_size=12, size=12, always=[]).target_ids.tolist() == list(range(12))
+
+
+def test_self_instruct_keeps_the_question_and_drops_replies():
+    assert clean_question('A curious person might ask: "How do black holes form?" It is a good one.') == \
+        "How do black holes form?"
+    assert clean_question("Question: Why is the sky blue?") == "Why is the sky blue?"
+    assert clean_question("How do volcanoes erupt?\nThey erupt when magma rises.") == "How do volcanoes erupt?"
+    assert clean_question("I'm ready to assist. What's your request?") is None    # answered as the assistant
+    assert clean_question("Photosynthesis turns light into sugar.") is None       # not a question
+    assert clean_question("Why?") is None                                         # too short to teach anything
 
 
 def test_prompt_set_is_diverse_reproducible_and_held_out_by_subject():

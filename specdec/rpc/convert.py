@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.cost_profile import StepCost
 from specdec.errors import ErrorCode, SequenceError
 from specdec.rpc import common_pb2
 from specdec.sampling import GREEDY, SamplingParams
@@ -58,3 +59,7 @@ def payload_to_tensor(msg: common_pb2.TensorPayload) -> torch.Tensor:
     dtype, raw = _PAYLOAD_DTYPES[msg.dtype]
     flat = torch.frombuffer(bytearray(msg.data), dtype=raw) if msg.data else torch.empty(0, dtype=raw)
     return flat.view(dtype).reshape(tuple(msg.shape))
+
+
+def costs_from_info(info: common_pb2.ServiceInfo) -> list[StepCost]:
+    return [StepCost(c.shape, c.batch, c.seconds) for c in info.step_costs]

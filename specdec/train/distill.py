@@ -11,6 +11,7 @@ length so batches pad little); it is the reference the server is lossless agains
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,14 +70,26 @@ def self_instruct(model, tokenizer, requests: list[str], batch_size: int) -> lis
     """The target writes user prompts: its answers to `requests`, cleaned and de-duplicated."""
     ids = [chat_ids(tokenizer, r) for r in requests]
     answers = greedy_answers(model, tokenizer, ids, 48, batch_size, "writing prompts (self-instruct)")
-    seen: set[str] = set()
-    out = []
-    for a in answers:
-        text = tokenizer.decode(a, skip_special_tokens=True).strip().split("\n")[0].strip().strip('"')
-        if 12 <= len(text) <= 300 and text not in seen:
-            seen.add(text)
-            out.append(text)
-    return out
+    questions = (clean_question(tokenizer.decode(a, skip_special_tokens=True)) for a in answers)
+    return list(dict.fromkeys(q for q in questions if q))
+
+
+def clean_question(text: str) -> str | None:
+    """The question in a self-instruct answer, or None when it holds none.
+
+    The target wraps its question in a preamble ('A curious person might ask: "..."') or answers
+    it right away; keep the quoted question when there is one, else the first line, and only if it
+    is a question of a sensible length.
+    """
+    quoted = re.search(r'"([^"\n]{12,300}\?)"', text)
+    line = quoted.group(1) if quoted else text.strip().split("\n")[0].strip().strip('"')
+    line = line.split(":", 1)[1].strip().strip('"') if not quoted and ":" in line else line
+    if ASSISTANT_REPLY.match(line):   # the target answered as the assistant instead of writing a question
+        return None
+    return line if 12 <= len(line) <= 300 and line.endswith("?") else None
+
+
+ASSISTANT_REPLY = re.compile(r"(I'm|I am|I |Sure|Of course|Certainly|Here|Hello|Hi\b)")
 
 
 def text_samples(tokenizer, files: list[Path], length: int) -> list[Sample]:

@@ -167,9 +167,12 @@ def build_prompts(seed: int = 0, heldout_fraction: float = 0.15) -> PromptSet:
     return PromptSet(train, heldout)
 
 
+# Only question templates: asked for a "request", SmolLM2 answers "I'm ready to assist..." instead.
 SELF_INSTRUCT = [
     "Write one question that a curious person might ask an AI assistant about {t}. Reply with the question only.",
-    "Write a short request someone might send a helpful assistant about {t}. Reply with the request only.",
+    "Write one question that a student might ask a teacher about {t}. Reply with the question only.",
+    "Write one practical question that a beginner might ask about {t}. Reply with the question only.",
+    "Write one question asking an expert for advice about {t}. Reply with the question only.",
 ]
 
 

@@ -1,0 +1,158 @@
+"""The concurrency sweep: every mode, `auto` included, at C = 1 ... 64 through the gateway.
+
+The 8B-shaped random pair runs at controlled acceptance a = 0, 0.6, 0.8, 0.9 (one drafter and
+gateway per a over one verifier, as in benchmarks/run.py; mode off once per C), and the SmolLM2
+pair with its shipped EAGLE-3 head at its real acceptance. Each row is one wave of C requests
+started together. The report (benchmarks/sweep_report.py) plots tok/s and TPOT p50/p99 against C,
+one line per mode, and tabulates auto against mode off and against the best fixed mode.
+
+    python -m benchmarks.sweep --device cuda                    # about 10 minutes on one H200
+    python -m benchmarks.sweep --device cpu --tiny --acceptance 0 0.8 --concurrency 1 4   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from benchmarks import sweep_report
+from benchmarks.grid import CONFIGS, _cells, _ordered
+from benchmarks.models import REPO, EngineSettings, chat_prompts, embedded_pair, random_pair, random_prompts
+from benchmarks.run import _gateway_cells, checkpoint_root, machine, versions
+from benchmarks.suite_state import SuiteState
+
+CONCURRENCY = (1, 2, 4, 8, 16, 32, 48, 64)
+ACCEPTANCE = (0.0, 0.6, 0.8, 0.9)
+MODES = ("off", "chain k=4", "chain k=4 no-overlap", "tree topk=4", "auto")
+PARTS = ("random", "smollm2")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sweep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float64 for --tiny, else float32")
+    p.add_argument("--tiny", action="store_true", help="tiny random shapes instead of 8B/1B (CPU runs, tests)")
+    p.add_argument("--acceptance", type=float, nargs="+", default=list(ACCEPTANCE))
+    p.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
+    p.add_argument("--modes", nargs="+", choices=list(CONFIGS), default=list(MODES))
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "out" / "sweep")
+    p.add_argument("--report", type=Path, default=REPO / "BENCHMARKS.md")
+    p.add_argument("--no-report", action="store_true", help="leave --report alone (the section is still in --out-dir)")
+    p.add_argument("--ckpt-dir", type=Path, default=None, help="as benchmarks.run")
+    p.add_argument("--keep-checkpoints", action="store_true")
+    p.add_argument("--work-dir", type=Path, default=None, help="service logs and the reference file")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    argv = sys.argv[1:] if argv is None else argv
+    a = parse(argv)
+    dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float64" if a.tiny else "float32")
+    random_cells = _ordered(_cells(a.acceptance, a.concurrency, a.modes)) if "random" in a.parts else ()
+    smol_cells = _ordered(_cells([None], a.concurrency, a.modes)) if "smollm2" in a.parts else ()
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    work = a.work_dir or Path(tempfile.mkdtemp(prefix="specdec-sweep-"))
+    work.mkdir(parents=True, exist_ok=True)
+    desc, gpu = machine(a.device)
+    meta = {"command": shlex.join(["python", "-m", "benchmarks.sweep", *argv]), "date": time.strftime("%Y-%m-%d"),
+            "machine": desc, "gpu": gpu, "dtype": dtype, "max_new_tokens": a.max_new_tokens, "timings": {},
+            **versions()}
+    state = SuiteState(a.out_dir, meta, tqdm(total=len(random_cells) + len(smol_cells), desc="sweep rows",
+                                             file=sys.stderr))
+    try:
+        if random_cells:
+            _random_part(a, random_cells, dtype, work, state)
+        if smol_cells:
+            _smollm2_part(a, smol_cells, work, state)
+    finally:
+        state.bar.close()
+        state.save()
+        (a.out_dir / "section.md").write_text(sweep_report.section(state.rows, meta, a.out_dir))
+    if not a.no_report:
+        sweep_report.install(a.out_dir, a.report)
+    print(f"\nresults: {a.out_dir / 'results.json'}; section: {a.out_dir / 'section.md'}", flush=True)
+    return a.out_dir / "results.json"
+
+
+def _random_part(a, cells, dtype: str, work: Path, state: SuiteState) -> None:
+    from benchmarks.gateway_runs import Services
+    from benchmarks.inprocess import load_engines, run_inprocess
+    from specdec.config import ControlledAcceptance
+
+    root, remove = checkpoint_root(a)
+    most = max(c.concurrency for c in cells)
+    lengths = (4, 12) if a.tiny else (32, 96)
+    try:
+        with state.phase("checkpoints"):
+            pair = random_pair(root, a.tiny, a.device)
+        prompts = random_prompts(most, 512 if a.tiny else 128256, lengths, a.seed)
+        ref_len = a.max_new_tokens + max(c.config.lookahead for c in cells)
+        settings = EngineSettings(max_sequences=most, cuda_graphs=a.device == "cuda",
+                                  max_context=-(-(lengths[1] + ref_len + 1) // 64) * 64)
+        state.meta.update(pair=pair.name, prompts=f"{len(prompts)} random token-id prompts of {lengths[0]}-"
+                          f"{lengths[1]} tokens (seed {a.seed})", engine_settings=settings.__dict__)
+        with ExitStack() as stack:
+            services = Services(pair, a.device, dtype, settings, work)
+            stack.callback(services.stop)
+            services.start_verifier()
+            with state.phase("reference pass"):   # the target's own continuations, for the controlled drafters
+                engines = load_engines(pair, a.device, dtype, settings)
+                traces, _ = run_inprocess(engines, prompts, ref_len, CONFIGS["off"])
+                engines.close()
+                del engines
+                if a.device == "cuda":
+                    torch.cuda.empty_cache()
+                reference = work / "reference.json"
+                ControlledAcceptance.write_references(reference, [(p, t.tokens) for p, t in zip(prompts, traces)])
+            state.reference = [t.tokens[: a.max_new_tokens] for t in traces]
+            with state.phase("services start"):
+                for acc in sorted({c.acceptance for c in cells if c.acceptance is not None}) or [None]:
+                    services.add_gateway(acc, reference if acc is not None else None, a.seed)
+                services.wait_ready()
+            with state.phase("rows"):
+                _gateway_cells(services, cells, prompts, pair, a.max_new_tokens, 2, state)
+    finally:
+        if remove:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _smollm2_part(a, cells, work: Path, state: SuiteState) -> None:
+    from benchmarks.gateway_runs import Services
+
+    with state.phase("smollm2 models"):
+        pair, why = embedded_pair()
+    if pair is None:
+        state.meta["smollm2_skipped"] = f"the embedded SmolLM2 pair could not be built here ({why})"
+        print(f"SmolLM2 part skipped: {why}", file=sys.stderr, flush=True)
+        return
+    most = max(c.concurrency for c in cells)
+    prompts = chat_prompts(pair.target, most, heldout=True)
+    settings = EngineSettings(max_sequences=most, cuda_graphs=a.device == "cuda", max_context=1024)
+    (work / "smollm2").mkdir(exist_ok=True)
+    services = Services(pair, a.device, "bfloat16" if a.device == "cuda" else "float32", settings, work / "smollm2")
+    try:
+        with state.phase("smollm2 services start"):
+            services.start_verifier()
+            services.add_gateway(None)
+            services.wait_ready()
+        with state.phase("smollm2 rows"):
+            _gateway_cells(services, cells, prompts, pair, a.max_new_tokens, 2, state)
+    finally:
+        services.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""`--mode auto`: acceptance estimates, step costs, the policy and its glue to the scheduler."""

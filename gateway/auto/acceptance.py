@@ -1,0 +1,97 @@
+"""Running acceptance estimates for `--mode auto`: per draft position, per drafter and per request.
+
+A draft shape family ("chain", or one tree preset) has a conditional acceptance rate per position:
+p[j] = P(the verifier accepts draft position j+1 | it accepted positions 1..j). One verify step
+that drafted `depth` positions and accepted `a` of them tried positions 1..min(a+1, depth) and
+accepted 1..a. Counts decay geometrically, so the estimates follow drift in what is being written.
+
+Each drafter replica keeps one estimate per family (all its requests); each request keeps its own,
+shrunk towards its drafter's with `prior_weight` pseudo-observations, so a new request starts at
+the drafter's figure and an unusual one moves away from it within a few steps. A family that no
+request has tried yet starts optimistic (see `Rates.unexplored`) so the policy tries it once and
+measures it rather than trusting a guess forever.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MAX_POSITIONS = 16          # longest chain or deepest tree a family covers
+UNTRIED_RATE = 0.8          # a drafter's acceptance before any verdict
+
+
+class Rates:
+    """Decaying counts of tried / accepted per draft position for one family."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.tried = np.zeros(MAX_POSITIONS)
+        self.accepted = np.zeros(MAX_POSITIONS)
+
+    def observe(self, depth: int, accepted: int) -> None:
+        self.tried *= self.decay
+        self.accepted *= self.decay
+        self.tried[:min(accepted + 1, depth)] += 1.0
+        self.accepted[:accepted] += 1.0
+
+    def estimate(self, prior: np.ndarray, weight: float) -> np.ndarray:
+        """Per-position rates [MAX_POSITIONS], each shrunk towards `prior` by `weight` pseudo-counts."""
+        return (self.accepted + weight * prior) / (self.tried + weight)
+
+    @property
+    def observations(self) -> float:
+        return float(self.tried[0])
+
+    @staticmethod
+    def unexplored(reference: np.ndarray | None, optimism: float) -> np.ndarray:
+        """A prior for a family nobody has measured: a reference family's rates (a chain's for a
+        tree, whose best child is at least as good) raised towards 1, or an optimistic guess. It
+        counts as one observation: a few verdicts outweigh it."""
+        if reference is None:   # a new drafter: optimistic, so speculation is tried (and measured) at once
+            return np.full(MAX_POSITIONS, UNTRIED_RATE)
+        return 1.0 - (1.0 - reference) ** optimism
+
+
+def expected_tokens(rates: np.ndarray, depth: int) -> np.ndarray:
+    """Tokens a step commits, bonus included: 1 + sum_j prod_{i<=j} p_i over `depth` positions.
+    rates [..., MAX_POSITIONS] -> [...]."""
+    return 1.0 + np.cumprod(rates[..., :depth], axis=-1).sum(-1)
+
+
+def full_accept_probability(rates: np.ndarray, depth: int) -> np.ndarray:
+    """P(every one of `depth` positions is accepted): when an overlap pre-draft can be used."""
+    return np.prod(rates[..., :depth], axis=-1)
+
+
+class AcceptanceBook:
+    """One drafter replica's estimates and its requests' estimates, per family."""
+
+    def __init__(self, drafter_decay: float = 0.998, request_decay: float = 0.97, prior_weight: float = 6.0,
+                 optimism: float = 2.0) -> None:
+        self.drafter_decay, self.request_decay = drafter_decay, request_decay
+        self.prior_weight, self.optimism = prior_weight, optimism
+        self.drafter: dict[str, Rates] = {}
+        self.requests: dict[str, dict[str, Rates]] = {}
+
+    def observe(self, seq_id: str, family: str, depth: int, accepted: int) -> None:
+        self.drafter.setdefault(family, Rates(self.drafter_decay)).observe(depth, accepted)
+        self.requests.setdefault(seq_id, {}).setdefault(family, Rates(self.request_decay)).observe(depth, accepted)
+
+    def forget(self, seq_id: str) -> None:
+        self.requests.pop(seq_id, None)
+
+    def drafter_rates(self, family: str) -> np.ndarray:
+        chain = self.drafter.get("chain")
+        reference = chain.estimate(np.full(MAX_POSITIONS, UNTRIED_RATE), 1.0) if chain and chain.observations else None
+        prior = Rates.unexplored(reference if family != "chain" else None, self.optimism)
+        own = self.drafter.get(family)
+        return own.estimate(prior, 1.0) if own is not None else prior
+
+    def request_rates(self, seq_ids: list[str], family: str) -> np.ndarray:
+        """[len(seq_ids), MAX_POSITIONS]: each request's rates for `family` (one vectorised shrink)."""
+        prior = self.drafter_rates(family)
+        zeros = np.zeros(MAX_POSITIONS)
+        own = [self.requests.get(sid, {}).get(family) for sid in seq_ids]
+        tried = np.stack([r.tried if r is not None else zeros for r in own])
+        accepted = np.stack([r.accepted if r is not None else zeros for r in own])
+        return (accepted + self.prior_weight * prior) / (tried + self.prior_weight)

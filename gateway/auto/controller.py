@@ -1,0 +1,142 @@
+"""The scheduler's side of `--mode auto`: applies the policy's plan to requests and feeds it measurements.
+
+Each step, `plan` sets every auto request's mode and draft settings for that step (the policy's
+choice, or off for those it leaves out), dropping a ready draft of another shape. After the
+verdicts, `observe_verdict` records each speculating request's accepted positions (fixed-mode
+requests too: they measure the same drafter) and the choice it ran; the scheduler reports the
+measured verify and draft round trips. Without both services' cost profiles (started with
+--no-cost-profile) auto requests fall back to the gateway's default chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import structlog
+
+from gateway.auto.acceptance import AcceptanceBook
+from gateway.auto.costs import CostModel, bucket
+from gateway.auto.policy import OFF, AutoPolicy, Choice, CyclingPolicy, Plan, menu
+from gateway.request import ActiveRequest, Mode, SpecSettings
+from specdec.cost_profile import StepCost, chain_shape, predraft_shape, tree_shape
+
+
+class AutoController:
+    def __init__(self, verifier_costs: list[StepCost], drafter_costs: Callable[[], list[StepCost]],
+                 max_draft_tokens: int, log=None, cycle: bool = False, replan_every: int = 8) -> None:
+        self.verifier_costs, self.drafter_costs = verifier_costs, drafter_costs
+        self.max_draft_tokens = max_draft_tokens
+        self.book = AcceptanceBook()
+        self.policies: dict[bool, AutoPolicy] = {}   # by whether overlap is allowed
+        self.costs: CostModel | None = None
+        self.log = log or structlog.get_logger(service="gateway")
+        self.last_choice: dict[bool, str] = {}
+        self.cycle = cycle   # tests only: CyclingPolicy instead of AutoPolicy
+        self.replan_every = 1 if cycle else replan_every
+        self.plans: dict[bool, tuple] = {}   # overlap allowed -> (plan, batch bucket, age in steps, seq ids)
+
+    def _policy(self, overlap_allowed: bool) -> AutoPolicy | CyclingPolicy | None:
+        if self.costs is None:
+            drafter = self.drafter_costs()
+            if not (self.verifier_costs and drafter):
+                return None
+            self.costs = CostModel(self.verifier_costs, drafter)
+        if overlap_allowed not in self.policies:
+            choices = menu(self.costs, self.max_draft_tokens, overlap_allowed)
+            # Probes after 16 steps off, then 32, ... up to 1024 (in plans of `replan_every` steps).
+            self.policies[overlap_allowed] = (CyclingPolicy(choices) if self.cycle else AutoPolicy(
+                self.costs, self.book, choices, probe_start=max(1, 16 // self.replan_every),
+                probe_max=max(1, 1024 // self.replan_every)))
+        return self.policies[overlap_allowed]
+
+    # ---- before the step ---------------------------------------------------------------------
+    def plan(self, continuing: list[ActiveRequest]) -> None:
+        auto = [r for r in continuing if r.auto]
+        if not auto:
+            return
+        fixed = [r for r in continuing if not r.auto]
+        width = max((step_width(r.settings, r.mode) for r in fixed), default=1)
+        fixed_tokens = sum(max(1.0, r.stats.mean_accepted_length) for r in fixed)
+        for overlap_allowed in (True, False):   # requests that said overlap=false get a menu without it
+            group = [r for r in auto if r.req.spec.overlap == overlap_allowed]
+            if group:
+                self._plan_group(group, overlap_allowed, len(continuing) - len(group), width, fixed_tokens)
+
+    def _plan_group(self, group: list[ActiveRequest], overlap_allowed: bool, others: int, other_width: int,
+                    other_tokens: float) -> None:
+        policy = self._policy(overlap_allowed)
+        if policy is None:   # no cost profiles: the default chain (with overlap unless refused)
+            choice = Choice(Mode.CHAIN, group[0].req.spec.k, overlap=overlap_allowed)
+            speculating = {r.seq_id for r in group}
+        else:
+            plan = self._cached_plan(policy, group, overlap_allowed, others, other_width, other_tokens)
+            choice, speculating = plan.choice, set(plan.speculating)
+            if choice.name != self.last_choice.get(overlap_allowed):
+                self.last_choice[overlap_allowed] = choice.name
+                self.log.info("auto mode choice", choice=choice.name, batch=len(group) + others,
+                              speculating=len(speculating), expected_tokens_per_second=round(plan.tokens_per_second, 1),
+                              request_ids=sorted({r.req.request_id for r in group})[:16])
+        for r in group:
+            self._apply(r, choice if r.seq_id in speculating else OFF)
+
+    def _cached_plan(self, policy, group: list[ActiveRequest], overlap_allowed: bool, others: int, other_width: int,
+                     other_tokens: float) -> Plan:
+        """A full plan every `replan_every` steps or when the batch moves to another size bucket
+        (it costs about a millisecond at batch 64); in between the last choice is kept, and a
+        request that joined meanwhile speculates with it."""
+        ids = [r.seq_id for r in group]
+        key = bucket(len(group) + others)
+        cached = self.plans.get(overlap_allowed)
+        if cached is not None and cached[1] == key and cached[2] < self.replan_every:
+            plan, _, age, known = cached
+            self.plans[overlap_allowed] = (plan, key, age + 1, known)
+            keep = set(plan.speculating) | ({i for i in ids if i not in known} if plan.choice != OFF else set())
+            return Plan(plan.choice, [i for i in ids if i in keep], plan.tokens_per_second)
+        plan = policy.plan(ids, others, other_width, other_tokens)
+        self.plans[overlap_allowed] = (plan, key, self.replan_every if plan.probe else 1, set(ids))
+        return plan
+
+    def _apply(self, r: ActiveRequest, c: Choice) -> None:
+        r.choice = c.name
+        r.mode = c.mode
+        if c.mode != Mode.OFF:
+            r.settings = SpecSettings(c.mode, k=c.k or r.req.spec.k, overlap=c.overlap, topk=c.topk or 1,
+                                      depth=c.depth or 1, budget=c.budget or 1)
+        if r.draft is not None and (c.mode == Mode.OFF or r.draft_family != c.family
+                                    or (c.mode == Mode.CHAIN and len(r.draft) != c.k)):
+            r.draft = None   # made for another shape (an overlap pre-draft, or last step's choice)
+
+    # ---- after the step ----------------------------------------------------------------------
+    def observe_verdict(self, r: ActiveRequest, drafted_depth: int, accepted: int) -> None:
+        if drafted_depth:
+            self.book.observe(r.seq_id, r.draft_family, drafted_depth, accepted)
+        if r.auto:
+            r.stats.steps_by_mode[r.choice or "off"] += 1
+
+    def observe_verify(self, batch: int, width: int, seconds: float, overlapped: bool) -> None:
+        if self.costs is not None:
+            self.costs.observe_verify(batch, width, seconds, overlapped)
+
+    def observe_draft(self, batch: int, shape: str, seconds: float, overlapped: bool) -> None:
+        if self.costs is not None:
+            self.costs.observe_draft(batch, shape, seconds, overlapped)
+
+    def forget(self, r: ActiveRequest) -> None:
+        self.book.forget(r.seq_id)
+
+
+def step_width(s: SpecSettings, mode: Mode) -> int:
+    """Tokens per sequence a verify of this mode checks (the root included)."""
+    return {Mode.CHAIN: s.k + 1, Mode.TREE: s.budget + 1}.get(mode, 1)
+
+
+def draft_shape_name(settings: SpecSettings, mode: Mode, predraft: bool) -> str:
+    if predraft:
+        return predraft_shape(settings.k)
+    if mode == Mode.TREE:
+        return tree_shape(settings.topk, settings.depth, settings.budget)
+    return chain_shape(settings.k)
+
+
+def draft_family(settings: SpecSettings, mode: Mode) -> str:
+    return tree_shape(settings.topk, settings.depth, settings.budget) if mode == Mode.TREE else "chain"

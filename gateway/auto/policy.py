@@ -1,0 +1,176 @@
+"""`--mode auto`: each step, the speculation choice that maximises the batch's expected tokens per second.
+
+A verify step pads every sequence to the widest draft in it, so the choice is made for the batch:
+one shape (off, a chain of k with or without overlap, or one of the default trees) for every auto
+request that speculates this step, and per request whether it speculates at all. For a choice c:
+
+  tokens(c) = sum over speculating requests of E_r(c)  +  1 per other request
+  time(c)   = draft(n_s, c) + verify(B, width)                       tree, chain without overlap
+            = max(verify(B, width), predraft(n_s, k)) + (1 - h) draft(n_s, k)    chain with overlap
+
+E_r(c) = 1 + sum_j prod_{i<=j} p_r[i] from the request's running acceptance per position
+(gateway/auto/acceptance.py), h the mean probability that a whole chain is accepted (only then is
+an overlap pre-draft usable), and the costs come from the services' start-up profiles corrected by
+the measured step times (gateway/auto/costs.py). A request speculates only while its expected gain
+pays for its share of the draft step. The policy keeps its current choice unless another is
+`switch_margin` better, so it does not flap between near-equal choices. When it turns speculation
+off it still drafts one probe step now and then (the interval doubling while probes keep losing),
+so a rising acceptance is noticed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gateway.auto.acceptance import AcceptanceBook, expected_tokens, full_accept_probability
+from gateway.auto.costs import CostModel
+from gateway.request import Mode
+from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, chain_shape, predraft_shape, tree_shape
+
+
+@dataclass(frozen=True)
+class Choice:
+    mode: Mode
+    k: int = 0
+    overlap: bool = False
+    topk: int = 0
+    depth: int = 0
+    budget: int = 0
+
+    @property
+    def name(self) -> str:
+        if self.mode == Mode.OFF:
+            return "off"
+        if self.mode == Mode.CHAIN:
+            return f"chain k={self.k}" + (" overlap" if self.overlap else "")
+        return f"tree {self.topk}/{self.depth}/{self.budget}"
+
+    @property
+    def family(self) -> str:
+        """Which acceptance estimate prices it: all chains share one (a chain of k is a prefix of k+1)."""
+        return "chain" if self.mode == Mode.CHAIN else tree_shape(self.topk, self.depth, self.budget)
+
+    @property
+    def positions(self) -> int:
+        return self.k if self.mode == Mode.CHAIN else self.depth
+
+    @property
+    def width(self) -> int:
+        return {Mode.OFF: 1, Mode.CHAIN: self.k + 1, Mode.TREE: self.budget + 1}[self.mode]
+
+    @property
+    def draft_shape(self) -> str:
+        return chain_shape(self.k) if self.mode == Mode.CHAIN else tree_shape(self.topk, self.depth, self.budget)
+
+
+OFF = Choice(Mode.OFF)
+
+
+def menu(costs: CostModel, max_draft_tokens: int, overlap_allowed: bool) -> list[Choice]:
+    """The choices both profiles priced and the verifier accepts."""
+    out = [OFF]
+    for k in AUTO_CHAIN_KS:
+        if k <= max_draft_tokens and costs.has_draft_shape(chain_shape(k)):
+            out.append(Choice(Mode.CHAIN, k))
+            if overlap_allowed and costs.has_draft_shape(predraft_shape(k)):
+                out.append(Choice(Mode.CHAIN, k, overlap=True))
+    for topk, depth, budget in AUTO_TREES:
+        if budget <= max_draft_tokens and costs.has_draft_shape(tree_shape(topk, depth, budget)):
+            out.append(Choice(Mode.TREE, topk=topk, depth=depth, budget=budget))
+    return out
+
+
+@dataclass
+class Plan:
+    choice: Choice
+    speculating: list[str]          # seq ids that draft this step (the rest run as mode off)
+    tokens_per_second: float
+    probe: bool = False             # one step of speculation while off wins (not to be repeated)
+
+
+class AutoPolicy:
+    def __init__(self, costs: CostModel, book: AcceptanceBook, choices: list[Choice], switch_margin: float = 0.03,
+                 probe_start: int = 16, probe_max: int = 1024) -> None:
+        """probe_start, probe_max: plans (calls of `plan`) between probes, first and at most."""
+        self.costs, self.book, self.choices = costs, book, choices
+        self.switch_margin = switch_margin
+        self.current = OFF
+        self.probe_start, self.probe_max = probe_start, probe_max
+        self.probe_interval = probe_start
+        self.steps_off = 0
+
+    def plan(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float) -> Plan:
+        """seq_ids: the auto requests of this step; others: the step's other sequences (fixed
+        modes), the widest draft among them and the tokens they are expected to commit."""
+        rates = {f: self.book.request_rates(seq_ids, f) for f in {c.family for c in self.choices if c != OFF}}
+        scored = [self._score(c, seq_ids, others, other_width, other_tokens, rates.get(c.family))
+                  for c in self.choices]
+        best = max(scored, key=lambda p: p.tokens_per_second)
+        current = next((p for p in scored if p.choice == self.current), None)
+        if current is not None and best.tokens_per_second <= current.tokens_per_second * (1 + self.switch_margin):
+            best = current
+        self.current = best.choice
+        if best.choice == OFF and seq_ids and len(self.choices) > 1:
+            self.steps_off += 1
+            if self.steps_off >= self.probe_interval:   # look again: draft one step with the best other choice
+                self.steps_off = 0
+                self.probe_interval = min(self.probe_interval * 2, self.probe_max)
+                probe = max((p for p in scored if p.choice != OFF), key=lambda p: p.tokens_per_second)
+                return Plan(probe.choice, list(seq_ids), probe.tokens_per_second, probe=True)
+        elif best.choice != OFF:
+            self.steps_off, self.probe_interval = 0, self.probe_start
+        return best
+
+    def _score(self, c: Choice, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
+               rates: np.ndarray | None) -> Plan:
+        """rates [n, positions]: the requests' acceptance estimates for c's family."""
+        batch = len(seq_ids) + others
+        if c == OFF or not seq_ids:
+            seconds = self.costs.verify(batch, max(1, other_width))
+            return Plan(c, [], (len(seq_ids) + other_tokens) / seconds)
+        gain = expected_tokens(rates, c.positions) - 1.0               # [n]
+        full = full_accept_probability(rates, c.positions)             # [n]
+        order = np.argsort(-gain)
+        # Speculate the requests with the largest gains first; stop where the next one's gain no
+        # longer pays for its draft (the best prefix of the sorted list).
+        best: Plan | None = None
+        for n in _prefix_sizes(len(seq_ids)):
+            chosen = order[:n]
+            seconds = self._seconds(c, batch, n, max(c.width, other_width), full[chosen])
+            tps = (len(seq_ids) + float(gain[chosen].sum()) + other_tokens) / seconds
+            if best is None or tps > best.tokens_per_second:
+                best = Plan(c, [seq_ids[i] for i in chosen], tps)
+        return best
+
+    def _seconds(self, c: Choice, batch: int, drafting: int, width: int, full_accept: np.ndarray) -> float:
+        if c.mode == Mode.CHAIN and c.overlap:
+            verify = self.costs.verify(batch, width, overlapped=True)
+            predraft = self.costs.draft(drafting, predraft_shape(c.k), overlapped=True)
+            # Requests whose pre-draft missed need a draft before the next verify: one draft step
+            # (for the expected number of misses) whenever any of them missed.
+            misses = float((1.0 - full_accept).sum())
+            p_any_miss = 1.0 - float(np.prod(full_accept))
+            sync = p_any_miss * self.costs.draft(max(1, round(misses)), c.draft_shape)
+            return max(verify, predraft) + sync
+        return self.costs.draft(drafting, c.draft_shape) + self.costs.verify(batch, width)
+
+
+class CyclingPolicy:
+    """Tests only (`--test-auto-cycle`): every choice of the menu in turn, one step each, with
+    every request speculating, so each switch between shapes happens within a few steps."""
+
+    def __init__(self, choices: list[Choice]) -> None:
+        self.choices, self.step = choices, 0
+
+    def plan(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float) -> Plan:
+        choice = self.choices[self.step % len(self.choices)]
+        self.step += 1
+        return Plan(choice, [] if choice == OFF else list(seq_ids), 0.0)
+
+
+def _prefix_sizes(n: int) -> list[int]:
+    """How many of the sorted requests to try speculating: all, and a few smaller prefixes."""
+    sizes = {n, max(1, n // 2), max(1, n // 4), max(1, (3 * n) // 4)}
+    return sorted(sizes, reverse=True)

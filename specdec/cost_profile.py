@@ -1,0 +1,66 @@
+"""Start-up step-cost profiles: what one engine step costs per batch size and shape.
+
+A verifier times verify steps of `width` tokens per sequence (shape "verify:W"); a drafter times
+chains ("chain:K"), overlap pre-drafts ("pre:K": K assumed tokens, then K+1 drafted) and trees
+("tree:T/D/B"). Both report the figures in ServiceInfo.step_costs; the gateway's `--mode auto`
+prices its choices with them (gateway/auto/costs.py). The services measure with their real step
+path, after warm-up and CUDA-graph capture, on dummy sequences that are closed afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# Shapes `--mode auto` chooses from (gateway/auto/policy.py); the drafter profiles these.
+# The trees are the drafters' captured default shapes (drafter_svc/draft_graphs.py).
+AUTO_CHAIN_KS = (1, 2, 3, 4, 6, 8)
+AUTO_TREES = ((2, 4, 8), (4, 4, 16), (4, 5, 16))   # (topk, depth, budget)
+VERIFY_WIDTHS = tuple(sorted({1, *(k + 1 for k in AUTO_CHAIN_KS), *(b + 1 for _, _, b in AUTO_TREES)}))
+
+
+@dataclass(frozen=True)
+class StepCost:
+    shape: str      # "verify:W", "chain:K", "pre:K", "tree:T/D/B"
+    batch: int
+    seconds: float
+
+
+def chain_shape(k: int) -> str:
+    return f"chain:{k}"
+
+
+def predraft_shape(k: int) -> str:
+    return f"pre:{k}"
+
+
+def tree_shape(topk: int, depth: int, budget: int) -> str:
+    return f"tree:{topk}/{depth}/{budget}"
+
+
+def profile_batches(max_batch: int, device: torch.device) -> list[int]:
+    """Batch sizes to time: powers of two up to the slot count (fewer on the CPU, where a step
+    costs in proportion to its tokens and start-up time matters more)."""
+    top = min(max_batch, 64 if device.type == "cuda" else 16)
+    sizes = [1 << i for i in range(top.bit_length()) if 1 << i <= top]
+    if sizes[-1] != top:
+        sizes.append(top)
+    return sizes if device.type == "cuda" else sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]})
+
+
+def time_step(run: Callable[[], None], device: torch.device, reps: int) -> float:
+    """Median seconds of `run` over `reps` timed calls after one untimed call."""
+    run()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]

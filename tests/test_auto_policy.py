@@ -1,0 +1,156 @@
+"""`--mode auto`'s policy on synthetic costs and acceptance: it turns speculation off when drafts are
+never accepted (probing now and then, less and less often), speculates when it pays, turns off
+again where a large batch makes verification compute-bound, leaves out the requests whose drafts
+fail, and, when the real costs differ from the start-up profile, follows the measurements to the
+choice that is really best."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gateway.auto.acceptance import AcceptanceBook, expected_tokens
+from gateway.auto.costs import CostModel
+from gateway.auto.policy import OFF, AutoPolicy, menu
+from gateway.request import Mode
+from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, VERIFY_WIDTHS, StepCost, chain_shape, predraft_shape, \
+    tree_shape
+
+BATCHES = (1, 4, 16, 64)
+
+
+def profile(verify, draft) -> CostModel:
+    """verify(batch, width) and draft(batch, k_or_depth) in seconds -> a CostModel built from a profile."""
+    v = [StepCost(f"verify:{w}", b, verify(b, w)) for w in VERIFY_WIDTHS for b in BATCHES]
+    d = [StepCost(chain_shape(k), b, draft(b, k)) for k in AUTO_CHAIN_KS for b in BATCHES]
+    d += [StepCost(predraft_shape(k), b, draft(b, 2 * k + 1)) for k in AUTO_CHAIN_KS for b in BATCHES]
+    d += [StepCost(tree_shape(*t), b, draft(b * t[0], t[1])) for t in AUTO_TREES for b in BATCHES]
+    return CostModel(v, d)
+
+
+def memory_bound(b: int, w: int) -> float:      # a GPU verify: flat until ~256 tokens
+    return 0.010 * max(1.0, b * w / 256)
+
+
+def cheap_draft(b: int, n: int) -> float:
+    return 0.0005 * n * max(1.0, b / 32)
+
+
+def policy(costs: CostModel, overlap: bool = False) -> AutoPolicy:
+    return AutoPolicy(costs, AcceptanceBook(), menu(costs, 64, overlap))
+
+
+def observe(p: AutoPolicy, seq_id: str, family: str, a: float, n: int, rng, positions: int = 8) -> None:
+    for _ in range(n):
+        accepted = 0
+        while accepted < positions and rng.random() < a:
+            accepted += 1
+        p.book.observe(seq_id, family, positions, accepted)
+
+
+def test_no_acceptance_turns_speculation_off_and_probes_ever_less_often():
+    p = policy(profile(memory_bound, cheap_draft))
+    rng = np.random.default_rng(0)
+    probes = []
+    for step in range(3000):
+        plan = p.plan(["r0"], 0, 1, 0.0)
+        if plan.choice != OFF:
+            probes.append(step)
+            observe(p, "r0", plan.choice.family, 0.0, 1, rng, plan.choice.positions)
+    assert p.plan(["r0"], 0, 1, 0.0).choice == OFF
+    late = [s for s in probes if s >= 100]
+    assert len(late) <= 6, probes                                  # doubling intervals: a handful in 3000 steps
+    assert all(b - a >= 2 * (d - c) for (a, b), (c, d) in zip(zip(late[1:], late[2:]), zip(late, late[1:])))
+
+
+def test_high_acceptance_speculates_and_large_compute_bound_batches_do_not():
+    def compute_bound(b, w):    # verification cost grows with every token from the start
+        return 0.002 + 0.0002 * b * w
+
+    p = policy(profile(compute_bound, cheap_draft))
+    rng = np.random.default_rng(0)
+    ids = [f"r{i}" for i in range(64)]
+    for sid in ids:
+        observe(p, sid, "chain", 0.8, 20, rng)
+    small = p.plan(ids[:1], 0, 1, 0.0)
+    assert small.choice.mode != Mode.OFF and small.speculating == ["r0"]
+    off_rate = 1 / compute_bound(1, 1)
+    assert small.tokens_per_second > 1.3 * off_rate
+    assert p.plan(ids, 0, 1, 0.0).choice == OFF
+
+
+def test_requests_whose_drafts_fail_are_left_out():
+    def per_sequence_draft(b, n):   # a drafter whose cost grows with every sequence it drafts for
+        return 0.0005 * n * b
+
+    p = policy(profile(memory_bound, per_sequence_draft))
+    rng = np.random.default_rng(0)
+    good, bad = [f"g{i}" for i in range(4)], [f"b{i}" for i in range(4)]
+    for sid in good:
+        observe(p, sid, "chain", 0.9, 30, rng)
+    for sid in bad:
+        observe(p, sid, "chain", 0.0, 30, rng)
+    plan = p.plan(good + bad, 0, 1, 0.0)
+    assert plan.choice.mode == Mode.CHAIN
+    assert sorted(plan.speculating) == good
+
+
+def test_corrections_follow_measured_step_times():
+    costs = profile(memory_bound, cheap_draft)
+    for _ in range(60):
+        costs.observe_verify(4, 5, 2.0 * memory_bound(4, 5), overlapped=False)
+        costs.observe_draft(4, chain_shape(4), 3.0 * cheap_draft(4, 4), overlapped=False)
+    assert costs.verify(4, 3) == pytest.approx(2.0 * memory_bound(4, 3), rel=0.02)
+    assert costs.draft(4, chain_shape(2)) == pytest.approx(3.0 * cheap_draft(4, 2), rel=0.02)
+    assert costs.verify(64, 3) == pytest.approx(memory_bound(64, 3))   # another batch bucket: unchanged
+
+
+def simulate(p: AutoPolicy, verify, draft, a: float, batch: int, steps: int) -> float:
+    """Serve `steps` steps with the true costs and acceptance `a` per position; the policy sees
+    only measurements. -> tokens per second over the second half."""
+    rng = np.random.default_rng(1)
+    ids = [f"r{i}" for i in range(batch)]
+    tokens = seconds = 0.0
+    for step in range(steps):
+        plan = p.plan(ids, 0, 1, 0.0)
+        c, n = plan.choice, len(plan.speculating)
+        width = c.width if n else 1
+        tv = verify(batch, width)
+        td = draft(n * (c.topk or 1), c.positions) if n else 0.0
+        p.costs.observe_verify(batch, width, tv, overlapped=False)
+        if n:
+            p.costs.observe_draft(n, c.draft_shape, td, overlapped=False)
+        committed = batch - n
+        for sid in plan.speculating:
+            accepted = 0
+            while accepted < c.positions and rng.random() < a:
+                accepted += 1
+            p.book.observe(sid, c.family, c.positions, accepted)
+            committed += accepted + 1
+        if step >= steps // 2:
+            tokens, seconds = tokens + committed, seconds + tv + td
+    return tokens / seconds
+
+
+def best_fixed(verify, draft, a: float, batch: int, choices) -> float:
+    rates = np.full(16, a)
+    out = []
+    for c in choices:
+        if c == OFF:
+            out.append(batch / verify(batch, 1))
+        else:
+            e = float(expected_tokens(rates, c.positions))
+            out.append(batch * e / (verify(batch, c.width) + draft(batch * (c.topk or 1), c.positions)))
+    return max(out)
+
+
+@pytest.mark.parametrize("a, batch", [(0.8, 1), (0.8, 16), (0.0, 4), (0.6, 64)])
+def test_measurements_lead_to_the_really_best_choice(a, batch):
+    """The profile says drafting is nearly free; really it costs 6x that. Auto must end within a
+    few percent of the best fixed choice under the true costs."""
+    def true_draft(b, n):
+        return 6 * cheap_draft(b, n)
+
+    p = policy(profile(memory_bound, cheap_draft))
+    got = simulate(p, memory_bound, true_draft, a, batch, 1200)
+    assert got >= 0.95 * best_fixed(memory_bound, true_draft, a, batch, p.choices)
