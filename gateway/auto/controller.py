@@ -81,9 +81,9 @@ class AutoController:
 
     def _cached_plan(self, policy, group: list[ActiveRequest], overlap_allowed: bool, others: int, other_width: int,
                      other_tokens: float) -> Plan:
-        """A full plan every `replan_every` steps or when the batch moves to another size bucket
-        (it costs about a millisecond at batch 64); in between the last choice is kept, and a
-        request that joined meanwhile speculates with it."""
+        """A full plan every `replan_every` steps, or when the batch moves to another size bucket,
+        or while the choice is changing (a plan costs about a millisecond at batch 64); in between
+        the last choice is kept, and a request that joined meanwhile speculates with it."""
         ids = [r.seq_id for r in group]
         key = bucket(len(group) + others)
         cached = self.plans.get(overlap_allowed)
@@ -93,7 +93,10 @@ class AutoController:
             keep = set(plan.speculating) | ({i for i in ids if i not in known} if plan.choice != OFF else set())
             return Plan(plan.choice, [i for i in ids if i in keep], plan.tokens_per_second)
         plan = policy.plan(ids, others, other_width, other_tokens)
-        self.plans[overlap_allowed] = (plan, key, self.replan_every if plan.probe else 1, set(ids))
+        # Kept only once confirmed: a probe, or a choice that differs from the last one (the
+        # policy still learning), is planned again next step.
+        confirmed = cached is not None and cached[0].choice == plan.choice and not plan.probe
+        self.plans[overlap_allowed] = (plan, key, 1 if confirmed else self.replan_every, set(ids))
         return plan
 
     def _apply(self, r: ActiveRequest, c: Choice) -> None:

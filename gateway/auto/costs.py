@@ -3,22 +3,25 @@
 At start-up each verifier and drafter times its own engine steps over a grid of batch sizes and
 shapes (verifier_svc/cost_profile.py, drafter_svc/cost_profile.py) and reports them in
 ServiceInfo.step_costs. The profile prices the engine; what the gateway waits for also holds
-serialization, transport and contention when a pre-draft shares the GPU with a verify. So every
-step's measured round trip updates a correction factor (an EWMA of measured / profiled) per role,
-batch bucket and whether the step overlapped, and predictions are profile x correction.
+serialization and Python per sequence and per draft token on three hops, and contention when a
+pre-draft shares the GPU with a verify. So every measured round trip feeds a residual model per
+role and overlap (measured - profiled ~ theta . [1, B, B x tokens per sequence, profiled], ridge
+least squares with exponential forgetting): what is learned at one batch size carries to the
+others, where a per-batch factor would start from the bare profile at each new size.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from dataclasses import dataclass
+
+import numpy as np
 
 from specdec.cost_profile import StepCost
 
 
 def bucket(batch: int) -> int:
-    """Corrections are kept per power-of-two batch bucket."""
+    """Power-of-two batch bucket (the controller re-plans when the batch moves to another)."""
     return 1 << max(0, batch - 1).bit_length()
 
 
@@ -42,22 +45,47 @@ class _Surface:
         return y0 + (y1 - y0) * (batch - x0) / (x1 - x0)
 
 
-@dataclass
-class _Ratio:
-    value: float = 1.0
-    n: int = 0
+class _Residual:
+    """measured - profiled seconds ~ theta . x, ridge least squares over decayed sums."""
 
-    def update(self, ratio: float, alpha: float) -> None:
-        ratio = min(max(ratio, 0.2), 20.0)   # one stalled step (a GC pause, a reconnect) must not swing it
-        self.value = ratio if self.n == 0 else (1 - alpha) * self.value + alpha * ratio
-        self.n += 1
+    def __init__(self, decay: float, ridge: float = 1e-3) -> None:
+        self.decay, self.ridge = decay, ridge
+        self.gram = np.zeros((4, 4))
+        self.rhs = np.zeros(4)
+        self.theta = [0.0, 0.0, 0.0, 0.0]
+        self.stale = False
+
+    def observe(self, x: tuple, residual: float) -> None:
+        v = np.asarray(x)
+        self.gram = self.decay * self.gram + np.outer(v, v)
+        self.rhs = self.decay * self.rhs + residual * v
+        self.stale = True
+
+    def at(self, x: tuple) -> float:
+        if self.stale:
+            self.theta = np.linalg.solve(self.gram + self.ridge * np.eye(4), self.rhs).tolist()
+            self.stale = False
+        t = self.theta
+        return t[0] * x[0] + t[1] * x[1] + t[2] * x[2] + t[3] * x[3]
+
+
+def features(batch: int, tokens: int, profiled: float) -> tuple:
+    """Scaled to about 1 at batch 64, 16 tokens a sequence, 10 ms."""
+    return (1.0, batch / 64, batch * tokens / 1024, profiled * 100)
+
+
+def shape_tokens(shape: str) -> int:
+    """Tokens per sequence a drafter shape drafts or feeds ("chain:4" 4, "pre:4" 9, "tree:4/4/16" 16)."""
+    kind, size = shape.split(":")
+    if kind == "tree":
+        return int(size.split("/")[2])
+    return 2 * int(size) + 1 if kind == "pre" else int(size)
 
 
 class CostModel:
     """Predicted seconds of a verify step (batch, width) and of a draft step (batch, drafter shape)."""
 
-    def __init__(self, verifier: list[StepCost], drafter: list[StepCost], alpha: float = 0.1) -> None:
-        self.alpha = alpha
+    def __init__(self, verifier: list[StepCost], drafter: list[StepCost], decay: float = 0.995) -> None:
         self.verify_widths: dict[int, _Surface] = {}
         by_width: dict[int, list] = defaultdict(list)
         for c in verifier:
@@ -67,7 +95,8 @@ class CostModel:
         for c in drafter:
             by_shape[c.shape].append((c.batch, c.seconds))
         self.draft_shapes = {s: _Surface(p) for s, p in by_shape.items()}
-        self.corrections: dict[tuple, _Ratio] = defaultdict(_Ratio)
+        self.residuals = {(role, overlapped): _Residual(decay) for role in ("verify", "draft")
+                          for overlapped in (False, True)}
 
     @property
     def complete(self) -> bool:
@@ -87,7 +116,8 @@ class CostModel:
         return a if hi == lo else a + (b - a) * (width - lo) / (hi - lo)
 
     def verify(self, batch: int, width: int, overlapped: bool = False) -> float:
-        return self.verify_profile(batch, width) * self.corrections[("verify", bucket(batch), overlapped)].value
+        profiled = self.verify_profile(batch, width)
+        return self._corrected("verify", overlapped, batch, width - 1, profiled)
 
     def draft_profile(self, batch: int, shape: str) -> float:
         return self.draft_shapes[shape].at(batch) if batch else 0.0
@@ -95,16 +125,19 @@ class CostModel:
     def draft(self, batch: int, shape: str, overlapped: bool = False) -> float:
         if not batch:
             return 0.0
-        return self.draft_profile(batch, shape) * self.corrections[("draft", bucket(batch), overlapped)].value
+        return self._corrected("draft", overlapped, batch, shape_tokens(shape), self.draft_profile(batch, shape))
+
+    def _corrected(self, role: str, overlapped: bool, batch: int, tokens: int, profiled: float) -> float:
+        residual = self.residuals[(role, overlapped)].at(features(batch, tokens, profiled))
+        return max(profiled + residual, 0.5 * profiled)   # a wild extrapolation must not make a step free
 
     # ---- what the gateway measured ---------------------------------------------------------------
     def observe_verify(self, batch: int, width: int, seconds: float, overlapped: bool) -> None:
-        predicted = self.verify_profile(batch, width)
-        if predicted > 0:
-            self.corrections[("verify", bucket(batch), overlapped)].update(seconds / predicted, self.alpha)
+        profiled = self.verify_profile(batch, width)
+        self.residuals[("verify", overlapped)].observe(features(batch, width - 1, profiled), seconds - profiled)
 
     def observe_draft(self, batch: int, shape: str, seconds: float, overlapped: bool) -> None:
         if shape in self.draft_shapes and batch:
-            predicted = self.draft_profile(batch, shape)
-            if predicted > 0:
-                self.corrections[("draft", bucket(batch), overlapped)].update(seconds / predicted, self.alpha)
+            profiled = self.draft_profile(batch, shape)
+            self.residuals[("draft", overlapped)].observe(features(batch, shape_tokens(shape), profiled),
+                                                          seconds - profiled)

@@ -14,8 +14,8 @@ an overlap pre-draft usable), and the costs come from the services' start-up pro
 the measured step times (gateway/auto/costs.py). A request speculates only while its expected gain
 pays for its share of the draft step. The policy keeps its current choice unless another is
 `switch_margin` better, so it does not flap between near-equal choices. When it turns speculation
-off it still drafts one probe step now and then (the interval doubling while probes keep losing),
-so a rising acceptance is noticed.
+off it still drafts one probe step (chain k=1) now and then, the interval doubling while
+probes keep losing, so a rising acceptance is noticed.
 """
 
 from __future__ import annotations
@@ -117,8 +117,8 @@ class AutoPolicy:
             if self.steps_off >= self.probe_interval:   # look again: draft one step with the best other choice
                 self.steps_off = 0
                 self.probe_interval = min(self.probe_interval * 2, self.probe_max)
-                probe = max((p for p in scored if p.choice != OFF), key=lambda p: p.tokens_per_second)
-                return Plan(probe.choice, list(seq_ids), probe.tokens_per_second, probe=True)
+                probe = min((c for c in self.choices if c != OFF), key=lambda c: (c.width, c.overlap))
+                return Plan(probe, list(seq_ids), 0.0, probe=True)   # the narrowest: chain k=1 without overlap
         elif best.choice != OFF:
             self.steps_off, self.probe_interval = 0, self.probe_start
         return best
