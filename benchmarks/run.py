@@ -175,6 +175,8 @@ def _random_pair_cells(a, plan: Plan, parts: set, dtype: str, work: Path, state:
             with state.phase("in-process engines"):
                 engines = load_engines(pair, a.device, dtype, settings)
                 stack.callback(engines.close)
+            if services is not None:   # its start-up cost profile must not share the GPU with the reference pass
+                services.wait_ready()
             with state.phase("reference pass"):
                 traces, _ = run_inprocess(engines, prompts, ref_len, CONFIGS["off"])
                 reference = work / "reference.json"
@@ -182,9 +184,9 @@ def _random_pair_cells(a, plan: Plan, parts: set, dtype: str, work: Path, state:
             state.reference = [t.tokens[: a.max_new_tokens] for t in traces]
         if services is not None:
             with state.phase("services start"):
-                for acc in plan.acceptances or [None]:
+                for acc in plan.acceptances or [None]:   # one at a time: each drafter profiles on an idle GPU
                     services.add_gateway(acc, reference if acc is not None else None, a.seed)
-                services.wait_ready()
+                    services.wait_ready()
         if "inprocess" in parts:
             with state.phase("in-process cells"):
                 _inprocess_cells(engines, plan, prompts, pair, a, reference, state)

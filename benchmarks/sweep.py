@@ -107,7 +107,6 @@ def _random_part(a, cells, dtype: str, work: Path, state: SuiteState) -> None:
         with ExitStack() as stack:
             services = Services(pair, a.device, dtype, settings, work)
             stack.callback(services.stop)
-            services.start_verifier()
             with state.phase("reference pass"):   # the target's own continuations, for the controlled drafters
                 engines = load_engines(pair, a.device, dtype, settings)
                 traces, _ = run_inprocess(engines, prompts, ref_len, CONFIGS["off"])
@@ -118,10 +117,12 @@ def _random_part(a, cells, dtype: str, work: Path, state: SuiteState) -> None:
                 reference = work / "reference.json"
                 ControlledAcceptance.write_references(reference, [(p, t.tokens) for p, t in zip(prompts, traces)])
             state.reference = [t.tokens[: a.max_new_tokens] for t in traces]
-            with state.phase("services start"):
+            with state.phase("services start"):   # one at a time: each profiles its steps on an idle GPU
+                services.start_verifier()
+                services.wait_ready()
                 for acc in sorted({c.acceptance for c in cells if c.acceptance is not None}) or [None]:
                     services.add_gateway(acc, reference if acc is not None else None, a.seed)
-                services.wait_ready()
+                    services.wait_ready()
             with state.phase("rows"):
                 _gateway_cells(services, cells, prompts, pair, a.max_new_tokens, 2, state)
     finally:

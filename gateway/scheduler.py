@@ -104,6 +104,7 @@ class Scheduler:
         continuing = [r for r in self.active.values() if r not in opens and not self.hold.held(r)]
         if self.auto is not None:
             self.auto.plan(continuing)
+        started = time.perf_counter()
         need = [r for r in continuing if r.mode != Mode.OFF and r.draft is None]
         if need:
             await self._draft_all(need, predraft=False)
@@ -122,9 +123,10 @@ class Scheduler:
         overlap = [r for r in continuing if r.mode == Mode.CHAIN and r.settings.overlap and r.draft]
         (verdicts, seconds), _ = await asyncio.gather(timed(self.verifier.step(verify_msg)),
                                                       self._draft_all(overlap, predraft=True))
-        if self.auto is not None and continuing and not opens:   # (a prefill would blur the verify's cost)
+        if self.auto is not None and continuing and not opens:   # (a prefill would blur the costs)
             width = max(len(r.draft) + 1 if r.draft else 1 for r in continuing)
             self.auto.observe_verify(len(continuing), width, seconds, overlapped=bool(overlap))
+            self.auto.observe_step(time.perf_counter() - started)
         self._apply_verdicts(verdicts)
 
     def _admit(self) -> list[ActiveRequest]:

@@ -16,7 +16,7 @@ from gateway.request import Mode
 from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, VERIFY_WIDTHS, StepCost, chain_shape, predraft_shape, \
     tree_shape
 
-BATCHES = (1, 4, 16, 64)
+BATCHES = (1, 2, 4, 8, 16, 32, 64)   # as the services profile on a GPU
 
 
 def profile(verify, draft) -> CostModel:
@@ -117,9 +117,10 @@ def test_measured_overheads_carry_to_batch_sizes_not_yet_seen():
     assert costs.verify(64, 5, overlapped=True) == costs.verify_profile(64, 5)   # no overlapped steps seen
 
 
-def simulate(p: AutoPolicy, verify, draft, a: float, batch: int, steps: int) -> float:
+def simulate(p: AutoPolicy, verify, draft, a: float, batch: int, steps: int, rpc_times: bool = True) -> float:
     """Serve `steps` steps with the true costs and acceptance `a` per position; the policy sees
-    only measurements. -> tokens per second over the second half."""
+    only measurements (each round trip's time unless not `rpc_times`, and each whole step's).
+    -> tokens per second over the second half."""
     rng = np.random.default_rng(1)
     ids = [f"r{i}" for i in range(batch)]
     tokens = seconds = 0.0
@@ -129,9 +130,11 @@ def simulate(p: AutoPolicy, verify, draft, a: float, batch: int, steps: int) -> 
         width = c.width if n else 1
         tv = verify(batch, width)
         td = draft(n * (c.topk or 1), c.positions) if n else 0.0
-        p.costs.observe_verify(batch, width, tv, overlapped=False)
-        if n:
-            p.costs.observe_draft(n, c.draft_shape, td, overlapped=False)
+        if rpc_times:
+            p.costs.observe_verify(batch, width, tv, overlapped=False)
+            if n:
+                p.costs.observe_draft(n, c.draft_shape, td, overlapped=False)
+        p.observe_step(plan, tv + td)
         committed = batch - n
         for sid in plan.speculating:
             accepted = 0
@@ -166,3 +169,19 @@ def test_measurements_lead_to_the_really_best_choice(a, batch):
     p = policy(profile(memory_bound, cheap_draft))
     got = simulate(p, memory_bound, true_draft, a, batch, 1200)
     assert got >= 0.95 * best_fixed(memory_bound, true_draft, a, batch, p.choices)
+
+
+@pytest.mark.parametrize("a, batch", [(0.8, 1), (0.8, 32), (0.0, 4)])
+def test_whole_step_times_alone_calibrate_the_choice(a, batch):
+    """Only whole steps are timed (no round trip is), and speculative steps really cost 2.5x what
+    the profile adds up to (contention the profile cannot see): the step calibration alone must
+    bring auto within a few percent of the best fixed choice."""
+    def true_verify(b, w):
+        return memory_bound(b, w) * (1.0 if w == 1 else 2.5)
+
+    def true_draft(b, n):
+        return 2.5 * cheap_draft(b, n)
+
+    p = policy(profile(memory_bound, cheap_draft))
+    got = simulate(p, true_verify, true_draft, a, batch, 1200, rpc_times=False)
+    assert got >= 0.95 * best_fixed(true_verify, true_draft, a, batch, p.choices)

@@ -66,7 +66,7 @@ def full_accept_probability(rates: np.ndarray, depth: int) -> np.ndarray:
 class AcceptanceBook:
     """One drafter replica's estimates and its requests' estimates, per family."""
 
-    def __init__(self, drafter_decay: float = 0.998, request_decay: float = 0.97, prior_weight: float = 6.0,
+    def __init__(self, drafter_decay: float = 0.998, request_decay: float = 0.99, prior_weight: float = 10.0,
                  optimism: float = 2.0) -> None:
         self.drafter_decay, self.request_decay = drafter_decay, request_decay
         self.prior_weight, self.optimism = prior_weight, optimism
@@ -79,6 +79,10 @@ class AcceptanceBook:
 
     def forget(self, seq_id: str) -> None:
         self.requests.pop(seq_id, None)
+
+    def drafter_observations(self, family: str) -> float:
+        own = self.drafter.get(family)
+        return own.observations if own is not None else 0.0
 
     def drafter_rates(self, family: str) -> np.ndarray:
         chain = self.drafter.get("chain")

@@ -10,6 +10,7 @@ measured verify and draft round trips. Without both services' cost profiles (sta
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import structlog
@@ -34,6 +35,7 @@ class AutoController:
         self.cycle = cycle   # tests only: CyclingPolicy instead of AutoPolicy
         self.replan_every = 1 if cycle else replan_every
         self.plans: dict[bool, tuple] = {}   # overlap allowed -> (plan, batch bucket, age in steps, seq ids)
+        self.step_plans: list[tuple] = []    # this step's (policy, plan, other sequences)
 
     def _policy(self, overlap_allowed: bool) -> AutoPolicy | CyclingPolicy | None:
         if self.costs is None:
@@ -43,14 +45,15 @@ class AutoController:
             self.costs = CostModel(self.verifier_costs, drafter)
         if overlap_allowed not in self.policies:
             choices = menu(self.costs, self.max_draft_tokens, overlap_allowed)
-            # Probes after 16 steps off, then 32, ... up to 1024 (in plans of `replan_every` steps).
+            # Probes after 64 steps off, then 128, ... up to 4096 (in plans of `replan_every` steps).
             self.policies[overlap_allowed] = (CyclingPolicy(choices) if self.cycle else AutoPolicy(
-                self.costs, self.book, choices, probe_start=max(1, 16 // self.replan_every),
-                probe_max=max(1, 1024 // self.replan_every)))
+                self.costs, self.book, choices, probe_start=max(1, 64 // self.replan_every),
+                probe_max=max(1, 4096 // self.replan_every)))
         return self.policies[overlap_allowed]
 
     # ---- before the step ---------------------------------------------------------------------
     def plan(self, continuing: list[ActiveRequest]) -> None:
+        self.step_plans = []
         auto = [r for r in continuing if r.auto]
         if not auto:
             return
@@ -70,6 +73,7 @@ class AutoController:
             speculating = {r.seq_id for r in group}
         else:
             plan = self._cached_plan(policy, group, overlap_allowed, others, other_width, other_tokens)
+            self.step_plans.append((policy, plan, others))
             choice, speculating = plan.choice, set(plan.speculating)
             if choice.name != self.last_choice.get(overlap_allowed):
                 self.last_choice[overlap_allowed] = choice.name
@@ -91,7 +95,7 @@ class AutoController:
             plan, _, age, known = cached
             self.plans[overlap_allowed] = (plan, key, age + 1, known)
             keep = set(plan.speculating) | ({i for i in ids if i not in known} if plan.choice != OFF else set())
-            return Plan(plan.choice, [i for i in ids if i in keep], plan.tokens_per_second)
+            return dataclasses.replace(plan, speculating=[i for i in ids if i in keep])
         plan = policy.plan(ids, others, other_width, other_tokens)
         # Kept only once confirmed: a probe, or a choice that differs from the last one (the
         # policy still learning), is planned again next step.
@@ -115,6 +119,14 @@ class AutoController:
             self.book.observe(r.seq_id, r.draft_family, drafted_depth, accepted)
         if r.auto:
             r.stats.steps_by_mode[r.choice or "off"] += 1
+
+    def observe_step(self, seconds: float) -> None:
+        """The whole step's wall time (drafts, verify, pre-drafts), when one plan ran for every
+        sequence of it (the scheduler leaves out steps that also prefilled)."""
+        if len(self.step_plans) == 1:
+            policy, plan, others = self.step_plans[0]
+            if not others and isinstance(policy, AutoPolicy):
+                policy.observe_step(plan, seconds)
 
     def observe_verify(self, batch: int, width: int, seconds: float, overlapped: bool) -> None:
         if self.costs is not None:

@@ -12,10 +12,13 @@ E_r(c) = 1 + sum_j prod_{i<=j} p_r[i] from the request's running acceptance per 
 (gateway/auto/acceptance.py), h the mean probability that a whole chain is accepted (only then is
 an overlap pre-draft usable), and the costs come from the services' start-up profiles corrected by
 the measured step times (gateway/auto/costs.py). A request speculates only while its expected gain
-pays for its share of the draft step. The policy keeps its current choice unless another is
-`switch_margin` better, so it does not flap between near-equal choices. When it turns speculation
-off it still drafts one probe step (chain k=1) now and then, the interval doubling while
-probes keep losing, so a rising acceptance is noticed.
+pays for its share of the draft step. Whole steps are timed too: measured / predicted per choice
+class and batch bucket calibrates what the model cannot see (contention on a shared GPU, a drafter
+whose round trip costs more than its profile). The policy keeps its current choice unless another
+is `switch_margin` better, so it does not flap between near-equal choices. A new drafter is first
+measured with cheap probes (one request drafts one token); when speculation is off the policy
+still probes now and then, the interval doubling while probes keep losing, so a rising acceptance
+is noticed.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gateway.auto.acceptance import AcceptanceBook, expected_tokens, full_accept_probability
-from gateway.auto.costs import CostModel
+from gateway.auto.costs import CostModel, bucket
 from gateway.request import Mode
 from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, chain_shape, predraft_shape, tree_shape
 
@@ -88,13 +91,52 @@ class Plan:
     speculating: list[str]          # seq ids that draft this step (the rest run as mode off)
     tokens_per_second: float
     probe: bool = False             # one step of speculation while off wins (not to be repeated)
+    batch: int = 0
+    model_seconds: float = 0.0      # the step time the cost model predicts, before step calibration
+
+
+def choice_class(c: Choice) -> str:
+    """Choices whose whole-step times are calibrated together."""
+    if c.mode == Mode.CHAIN:
+        return "chain overlap" if c.overlap else "chain"
+    return c.mode.value
+
+
+class _StepRatios:
+    """Measured / predicted whole-step time per choice class and batch bucket (EWMA). A bucket
+    not measured yet borrows its class's nearest measured bucket: the model's error changes slowly
+    with the batch size, and a fresh bucket should not start from the bare model."""
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        self.alpha = alpha
+        self.ratios: dict[str, dict[int, float]] = {}
+
+    def observe(self, cls: str, batch: int, ratio: float) -> None:
+        ratio = min(max(ratio, 0.2), 10.0)   # one stalled step (a GC pause) must not swing it
+        mine = self.ratios.setdefault(cls, {})
+        b = bucket(batch)
+        mine[b] = ratio if b not in mine else (1 - self.alpha) * mine[b] + self.alpha * ratio
+
+    def at(self, cls: str, batch: int) -> float:
+        mine = self.ratios.get(cls)
+        if not mine:
+            return 1.0
+        b = bucket(batch)
+        if b in mine:
+            return mine[b]
+        nearest = min(mine, key=lambda x: abs(x.bit_length() - b.bit_length()))
+        return mine[nearest]
 
 
 class AutoPolicy:
     def __init__(self, costs: CostModel, book: AcceptanceBook, choices: list[Choice], switch_margin: float = 0.03,
-                 probe_start: int = 16, probe_max: int = 1024) -> None:
-        """probe_start, probe_max: plans (calls of `plan`) between probes, first and at most."""
+                 probe_start: int = 16, probe_max: int = 1024, min_observations: int = 3) -> None:
+        """probe_start, probe_max: plans (calls of `plan`) between probes, first and at most;
+        min_observations: verdicts the drafter needs before a plan trusts its acceptance (until
+        then each plan is a probe)."""
         self.costs, self.book, self.choices = costs, book, choices
+        self.ratios = _StepRatios()
+        self.min_observations = min_observations
         self.switch_margin = switch_margin
         self.current = OFF
         self.probe_start, self.probe_max = probe_start, probe_max
@@ -104,6 +146,9 @@ class AutoPolicy:
     def plan(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float) -> Plan:
         """seq_ids: the auto requests of this step; others: the step's other sequences (fixed
         modes), the widest draft among them and the tokens they are expected to commit."""
+        probe = self._probe_choice()
+        if seq_ids and probe is not None and self.book.drafter_observations("chain") < self.min_observations:
+            return self._probe(probe, seq_ids, others)   # a new drafter: measure it cheaply first
         rates = {f: self.book.request_rates(seq_ids, f) for f in {c.family for c in self.choices if c != OFF}}
         scored = [self._score(c, seq_ids, others, other_width, other_tokens, rates.get(c.family))
                   for c in self.choices]
@@ -114,14 +159,26 @@ class AutoPolicy:
         self.current = best.choice
         if best.choice == OFF and seq_ids and len(self.choices) > 1:
             self.steps_off += 1
-            if self.steps_off >= self.probe_interval:   # look again: draft one step with the best other choice
+            if self.steps_off >= self.probe_interval and probe is not None:   # look again, cheaply
                 self.steps_off = 0
                 self.probe_interval = min(self.probe_interval * 2, self.probe_max)
-                probe = min((c for c in self.choices if c != OFF), key=lambda c: (c.width, c.overlap))
-                return Plan(probe, list(seq_ids), 0.0, probe=True)   # the narrowest: chain k=1 without overlap
+                return self._probe(probe, seq_ids, others)
         elif best.choice != OFF:
             self.steps_off, self.probe_interval = 0, self.probe_start
         return best
+
+    def observe_step(self, plan: Plan, seconds: float) -> None:
+        """The measured wall time of a step that ran `plan` for the whole batch."""
+        if plan.model_seconds > 0:
+            self.ratios.observe(choice_class(plan.choice), plan.batch, seconds / plan.model_seconds)
+
+    def _probe_choice(self) -> Choice | None:
+        """The narrowest speculative choice (chain k=1 without overlap)."""
+        return min((c for c in self.choices if c != OFF), key=lambda c: (c.width, c.overlap), default=None)
+
+    def _probe(self, c: Choice, seq_ids: list[str], others: int) -> Plan:
+        """One request drafts one token: the batch's verify widens by one, the draft is tiny."""
+        return Plan(c, [seq_ids[0]], 0.0, probe=True, batch=len(seq_ids) + others)
 
     def _score(self, c: Choice, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
                rates: np.ndarray | None) -> Plan:
@@ -129,19 +186,21 @@ class AutoPolicy:
         batch = len(seq_ids) + others
         if c == OFF or not seq_ids:
             seconds = self.costs.verify(batch, max(1, other_width))
-            return Plan(c, [], (len(seq_ids) + other_tokens) / seconds)
+            calibrated = seconds * self.ratios.at("off", batch)
+            return Plan(OFF, [], (len(seq_ids) + other_tokens) / calibrated, batch=batch, model_seconds=seconds)
         gain = expected_tokens(rates, c.positions) - 1.0               # [n]
         full = full_accept_probability(rates, c.positions)             # [n]
         order = np.argsort(-gain)
         # Speculate the requests with the largest gains first; stop where the next one's gain no
         # longer pays for its draft (the best prefix of the sorted list).
         best: Plan | None = None
+        ratio = self.ratios.at(choice_class(c), batch)
         for n in _prefix_sizes(len(seq_ids)):
             chosen = order[:n]
             seconds = self._seconds(c, batch, n, max(c.width, other_width), full[chosen])
-            tps = (len(seq_ids) + float(gain[chosen].sum()) + other_tokens) / seconds
+            tps = (len(seq_ids) + float(gain[chosen].sum()) + other_tokens) / (seconds * ratio)
             if best is None or tps > best.tokens_per_second:
-                best = Plan(c, [seq_ids[i] for i in chosen], tps)
+                best = Plan(c, [seq_ids[i] for i in chosen], tps, batch=batch, model_seconds=seconds)
         return best
 
     def _seconds(self, c: Choice, batch: int, drafting: int, width: int, full_accept: np.ndarray) -> float:
