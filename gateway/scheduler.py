@@ -14,11 +14,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import structlog
 
-from gateway.auto.controller import AutoController, draft_family, draft_shape_name
+from gateway.auto.controller import AutoController, draft_family
 from gateway.backends import BackendLost, StepStream
 from gateway.hold import NO_HOLD, POLL_SECONDS, HoldGate
 from gateway.request import ActiveRequest, Event, Mode
@@ -121,11 +121,8 @@ class Scheduler:
         )
         self.close_verifier = []
         overlap = [r for r in continuing if r.mode == Mode.CHAIN and r.settings.overlap and r.draft]
-        (verdicts, seconds), _ = await asyncio.gather(timed(self.verifier.step(verify_msg)),
-                                                      self._draft_all(overlap, predraft=True))
-        if self.auto is not None and continuing and not opens:   # (a prefill would blur the costs)
-            width = max(len(r.draft) + 1 if r.draft else 1 for r in continuing)
-            self.auto.observe_verify(len(continuing), width, seconds, overlapped=bool(overlap))
+        verdicts, _ = await asyncio.gather(self.verifier.step(verify_msg), self._draft_all(overlap, predraft=True))
+        if self.auto is not None and continuing and not opens:   # (a prefill would blur the step's cost)
             self.auto.observe_step(time.perf_counter() - started)
         self._apply_verdicts(verdicts)
 
@@ -153,10 +150,9 @@ class Scheduler:
         await asyncio.gather(*(self._draft(address, group, predraft) for address, group in groups.items()))
 
     async def _draft(self, address: str, reqs: list[ActiveRequest], predraft: bool) -> None:
-        items, shapes = [], set()
+        items = []
         for r in reqs:
             spec = r.settings
-            shapes.add(draft_shape_name(spec, r.mode, predraft))
             item = drafter_pb2.DraftItem(seq_id=r.seq_id, committed_len=len(r.tokens),
                                          append_ids=r.tokens[r.drafter_len:], sampling=sampling_to_proto(r.sampling))
             if predraft:  # draft after the in-flight draft; one extra token guesses the bonus
@@ -175,12 +171,10 @@ class Scheduler:
                                            close=self.close_drafter.pop(address, []))
         stream = self.drafters.get(address) or self.drafters.setdefault(address, StepStream("drafter", address))
         try:
-            resp, seconds = await timed(stream.step(msg))
+            resp = await stream.step(msg)
         except BackendLost as exc:
             self._drafter_lost(address, str(exc))
             return
-        if self.auto is not None and len(shapes) == 1:
-            self.auto.observe_draft(len(items), shapes.pop(), seconds, overlapped=predraft)
         by_id = {r.seq_id: r for r in reqs}
         for err in map(error_from_proto, resp.errors):
             r = by_id.get(err.seq_id)
@@ -312,9 +306,3 @@ def concat_payloads(parts: list[common_pb2.TensorPayload]) -> common_pb2.TensorP
     return common_pb2.TensorPayload(dtype=first.dtype, shape=[sum(p.shape[0] for p in parts), *first.shape[1:]],
                                     data=b"".join(p.data for p in parts))
 
-
-async def timed(call: Awaitable) -> tuple[object, float]:
-    """(the call's result, its wall seconds)."""
-    t0 = time.perf_counter()
-    result = await call
-    return result, time.perf_counter() - t0

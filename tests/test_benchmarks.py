@@ -124,8 +124,9 @@ def test_tiny_concurrency_sweep_with_auto(tmp_path):
     auto = {(r["acceptance"], r["concurrency"]): r for r in rows if r["config"] == "auto"}
     assert all(r["same_as_off"] == 1.0 for r in auto.values())
     for c in (1, 3):
-        assert auto[(0.0, c)]["accepted"] == 0 and auto[(0.0, c)]["drafted"] <= auto[(0.0, c)]["steps"] // 4
-        assert auto[(1.0, c)]["accept_len"] > 2.0
+        off, on = auto[(0.0, c)], auto[(1.0, c)]
+        assert off["accepted"] == 0 and off["drafted"] <= off["steps"] // 4, off   # a few probes at most
+        assert on["accept_len"] > 2.0, on
     text = md.read_text()
     assert "suite" in text and text.count(sweep_report.BEGIN) == 1 and sweep_report.END in text
     section = text.split(sweep_report.BEGIN)[1]

@@ -38,6 +38,17 @@ class Rates:
         """Per-position rates [MAX_POSITIONS], each shrunk towards `prior` by `weight` pseudo-counts."""
         return (self.accepted + weight * prior) / (self.tried + weight)
 
+    def pooled(self, prior: np.ndarray, weight: float, ucb: float) -> np.ndarray:
+        """The drafter's rates: each position shrunk towards the family's rate over all positions
+        (itself shrunk towards `prior`), so a deep position seen a few times is not judged on
+        them alone (a draft right 80% of the time at position 1 is not assumed 40% at position 2
+        after one miss there); plus `ucb` standard errors, so a family measured on a few unlucky
+        verdicts still looks good enough to be tried again, until its figures are sure."""
+        overall = (self.accepted.sum() + float(prior.mean())) / (self.tried.sum() + 1.0)
+        n = self.tried + weight
+        rates = (self.accepted + weight * overall) / n
+        return np.minimum(rates + ucb * np.sqrt(rates * (1.0 - rates) / n), 0.99)
+
     @property
     def observations(self) -> float:
         return float(self.tried[0])
@@ -67,7 +78,8 @@ class AcceptanceBook:
     """One drafter replica's estimates and its requests' estimates, per family."""
 
     def __init__(self, drafter_decay: float = 0.998, request_decay: float = 0.99, prior_weight: float = 10.0,
-                 optimism: float = 2.0) -> None:
+                 optimism: float = 2.0, pool_weight: float = 4.0, ucb: float = 1.0) -> None:
+        self.pool_weight, self.ucb = pool_weight, ucb
         self.drafter_decay, self.request_decay = drafter_decay, request_decay
         self.prior_weight, self.optimism = prior_weight, optimism
         self.drafter: dict[str, Rates] = {}
@@ -86,10 +98,11 @@ class AcceptanceBook:
 
     def drafter_rates(self, family: str) -> np.ndarray:
         chain = self.drafter.get("chain")
-        reference = chain.estimate(np.full(MAX_POSITIONS, UNTRIED_RATE), 1.0) if chain and chain.observations else None
+        untried = np.full(MAX_POSITIONS, UNTRIED_RATE)
+        reference = chain.pooled(untried, self.pool_weight, 0.0) if chain and chain.observations else None
         prior = Rates.unexplored(reference if family != "chain" else None, self.optimism)
         own = self.drafter.get(family)
-        return own.estimate(prior, 1.0) if own is not None else prior
+        return own.pooled(prior, self.pool_weight, self.ucb) if own is not None else prior
 
     def request_rates(self, seq_ids: list[str], family: str) -> np.ndarray:
         """[len(seq_ids), MAX_POSITIONS]: each request's rates for `family` (one vectorised shrink)."""

@@ -19,7 +19,10 @@ from gateway.auto.acceptance import AcceptanceBook
 from gateway.auto.costs import CostModel, bucket
 from gateway.auto.policy import OFF, AutoPolicy, Choice, CyclingPolicy, Plan, menu
 from gateway.request import ActiveRequest, Mode, SpecSettings
-from specdec.cost_profile import StepCost, chain_shape, predraft_shape, tree_shape
+from specdec.cost_profile import StepCost, tree_shape
+
+
+WARMUP_STEPS = 3
 
 
 class AutoController:
@@ -36,6 +39,7 @@ class AutoController:
         self.replan_every = 1 if cycle else replan_every
         self.plans: dict[bool, tuple] = {}   # overlap allowed -> (plan, batch bucket, age in steps, seq ids)
         self.step_plans: list[tuple] = []    # this step's (policy, plan, other sequences)
+        self.steps_seen = 0
 
     def _policy(self, overlap_allowed: bool) -> AutoPolicy | CyclingPolicy | None:
         if self.costs is None:
@@ -122,19 +126,13 @@ class AutoController:
 
     def observe_step(self, seconds: float) -> None:
         """The whole step's wall time (drafts, verify, pre-drafts), when one plan ran for every
-        sequence of it (the scheduler leaves out steps that also prefilled)."""
-        if len(self.step_plans) == 1:
+        sequence of it (the scheduler leaves out steps that also prefilled). The first few steps
+        of the gateway's life are not used: they also pay for opening streams and first allocations."""
+        self.steps_seen += 1
+        if len(self.step_plans) == 1 and self.steps_seen > WARMUP_STEPS:
             policy, plan, others = self.step_plans[0]
             if not others and isinstance(policy, AutoPolicy):
                 policy.observe_step(plan, seconds)
-
-    def observe_verify(self, batch: int, width: int, seconds: float, overlapped: bool) -> None:
-        if self.costs is not None:
-            self.costs.observe_verify(batch, width, seconds, overlapped)
-
-    def observe_draft(self, batch: int, shape: str, seconds: float, overlapped: bool) -> None:
-        if self.costs is not None:
-            self.costs.observe_draft(batch, shape, seconds, overlapped)
 
     def forget(self, r: ActiveRequest) -> None:
         self.book.forget(r.seq_id)
@@ -143,14 +141,6 @@ class AutoController:
 def step_width(s: SpecSettings, mode: Mode) -> int:
     """Tokens per sequence a verify of this mode checks (the root included)."""
     return {Mode.CHAIN: s.k + 1, Mode.TREE: s.budget + 1}.get(mode, 1)
-
-
-def draft_shape_name(settings: SpecSettings, mode: Mode, predraft: bool) -> str:
-    if predraft:
-        return predraft_shape(settings.k)
-    if mode == Mode.TREE:
-        return tree_shape(settings.topk, settings.depth, settings.budget)
-    return chain_shape(settings.k)
 
 
 def draft_family(settings: SpecSettings, mode: Mode) -> str:

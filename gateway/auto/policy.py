@@ -18,17 +18,19 @@ whose round trip costs more than its profile). The policy keeps its current choi
 is `switch_margin` better, so it does not flap between near-equal choices. A new drafter is first
 measured with cheap probes (one request drafts one token); when speculation is off the policy
 still probes now and then, the interval doubling while probes keep losing, so a rising acceptance
-is noticed.
+is noticed; and now and then a close rival from another acceptance family (a tree against a
+chain) runs one step, so a family is not abandoned on a few unlucky verdicts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from gateway.auto.acceptance import AcceptanceBook, expected_tokens, full_accept_probability
-from gateway.auto.costs import CostModel, bucket
+from gateway.auto.costs import CostModel, StepCalibration
 from gateway.request import Mode
 from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, chain_shape, predraft_shape, tree_shape
 
@@ -49,6 +51,13 @@ class Choice:
         if self.mode == Mode.CHAIN:
             return f"chain k={self.k}" + (" overlap" if self.overlap else "")
         return f"tree {self.topk}/{self.depth}/{self.budget}"
+
+    @property
+    def kind(self) -> str:
+        """Choices whose step-time errors are alike (calibration borrows within a kind)."""
+        if self.mode == Mode.CHAIN:
+            return "chain overlap" if self.overlap else "chain"
+        return self.mode.value
 
     @property
     def family(self) -> str:
@@ -92,51 +101,23 @@ class Plan:
     tokens_per_second: float
     probe: bool = False             # one step of speculation while off wins (not to be repeated)
     batch: int = 0
-    model_seconds: float = 0.0      # the step time the cost model predicts, before step calibration
-
-
-def choice_class(c: Choice) -> str:
-    """Choices whose whole-step times are calibrated together."""
-    if c.mode == Mode.CHAIN:
-        return "chain overlap" if c.overlap else "chain"
-    return c.mode.value
-
-
-class _StepRatios:
-    """Measured / predicted whole-step time per choice class and batch bucket (EWMA). A bucket
-    not measured yet borrows its class's nearest measured bucket: the model's error changes slowly
-    with the batch size, and a fresh bucket should not start from the bare model."""
-
-    def __init__(self, alpha: float = 0.3) -> None:
-        self.alpha = alpha
-        self.ratios: dict[str, dict[int, float]] = {}
-
-    def observe(self, cls: str, batch: int, ratio: float) -> None:
-        ratio = min(max(ratio, 0.2), 10.0)   # one stalled step (a GC pause) must not swing it
-        mine = self.ratios.setdefault(cls, {})
-        b = bucket(batch)
-        mine[b] = ratio if b not in mine else (1 - self.alpha) * mine[b] + self.alpha * ratio
-
-    def at(self, cls: str, batch: int) -> float:
-        mine = self.ratios.get(cls)
-        if not mine:
-            return 1.0
-        b = bucket(batch)
-        if b in mine:
-            return mine[b]
-        nearest = min(mine, key=lambda x: abs(x.bit_length() - b.bit_length()))
-        return mine[nearest]
+    model_seconds: float = 0.0      # the step time the cost model predicts, before calibration
 
 
 class AutoPolicy:
     def __init__(self, costs: CostModel, book: AcceptanceBook, choices: list[Choice], switch_margin: float = 0.03,
-                 probe_start: int = 16, probe_max: int = 1024, min_observations: int = 3) -> None:
+                 probe_start: int = 16, probe_max: int = 1024, min_observations: int = 5,
+                 challenge_every: int = 32, challenge_within: float = 0.25) -> None:
         """probe_start, probe_max: plans (calls of `plan`) between probes, first and at most;
         min_observations: verdicts the drafter needs before a plan trusts its acceptance (until
-        then each plan is a probe)."""
+        then each plan is a probe); every `challenge_every` plans the best choice of another
+        acceptance family, if predicted within `challenge_within` of the best, runs one step, so
+        a family that looked worse after a few unlucky verdicts is measured again."""
         self.costs, self.book, self.choices = costs, book, choices
-        self.ratios = _StepRatios()
+        self.calibration = StepCalibration()
         self.min_observations = min_observations
+        self.challenge_every, self.challenge_within = challenge_every, challenge_within
+        self.plans_since_challenge = 0
         self.switch_margin = switch_margin
         self.current = OFF
         self.probe_start, self.probe_max = probe_start, probe_max
@@ -157,6 +138,13 @@ class AutoPolicy:
         if current is not None and best.tokens_per_second <= current.tokens_per_second * (1 + self.switch_margin):
             best = current
         self.current = best.choice
+        self.plans_since_challenge += 1
+        if self.plans_since_challenge >= self.challenge_every and best.choice != OFF:
+            self.plans_since_challenge = 0
+            rivals = [p for p in scored if p.choice != OFF and p.choice.family != best.choice.family
+                      and p.tokens_per_second >= (1 - self.challenge_within) * best.tokens_per_second]
+            if rivals:   # one step, not kept (like a probe)
+                return dataclasses.replace(max(rivals, key=lambda p: p.tokens_per_second), probe=True)
         if best.choice == OFF and seq_ids and len(self.choices) > 1:
             self.steps_off += 1
             if self.steps_off >= self.probe_interval and probe is not None:   # look again, cheaply
@@ -169,8 +157,8 @@ class AutoPolicy:
 
     def observe_step(self, plan: Plan, seconds: float) -> None:
         """The measured wall time of a step that ran `plan` for the whole batch."""
-        if plan.model_seconds > 0:
-            self.ratios.observe(choice_class(plan.choice), plan.batch, seconds / plan.model_seconds)
+        c = plan.choice
+        self.calibration.observe(c.kind, c.name, c.width, plan.batch, seconds, plan.model_seconds)
 
     def _probe_choice(self) -> Choice | None:
         """The narrowest speculative choice (chain k=1 without overlap)."""
@@ -178,7 +166,9 @@ class AutoPolicy:
 
     def _probe(self, c: Choice, seq_ids: list[str], others: int) -> Plan:
         """One request drafts one token: the batch's verify widens by one, the draft is tiny."""
-        return Plan(c, [seq_ids[0]], 0.0, probe=True, batch=len(seq_ids) + others)
+        batch = len(seq_ids) + others
+        return Plan(c, [seq_ids[0]], 0.0, probe=True, batch=batch,
+                    model_seconds=self._seconds(c, batch, 1, c.width, np.zeros(1)))
 
     def _score(self, c: Choice, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
                rates: np.ndarray | None) -> Plan:
@@ -186,15 +176,15 @@ class AutoPolicy:
         batch = len(seq_ids) + others
         if c == OFF or not seq_ids:
             seconds = self.costs.verify(batch, max(1, other_width))
-            calibrated = seconds * self.ratios.at("off", batch)
+            calibrated = seconds * self.calibration.ratio(OFF.kind, OFF.name, OFF.width, batch)
             return Plan(OFF, [], (len(seq_ids) + other_tokens) / calibrated, batch=batch, model_seconds=seconds)
         gain = expected_tokens(rates, c.positions) - 1.0               # [n]
         full = full_accept_probability(rates, c.positions)             # [n]
         order = np.argsort(-gain)
+        ratio = self.calibration.ratio(c.kind, c.name, c.width, batch)
         # Speculate the requests with the largest gains first; stop where the next one's gain no
         # longer pays for its draft (the best prefix of the sorted list).
         best: Plan | None = None
-        ratio = self.ratios.at(choice_class(c), batch)
         for n in _prefix_sizes(len(seq_ids)):
             chosen = order[:n]
             seconds = self._seconds(c, batch, n, max(c.width, other_width), full[chosen])
@@ -204,16 +194,17 @@ class AutoPolicy:
         return best
 
     def _seconds(self, c: Choice, batch: int, drafting: int, width: int, full_accept: np.ndarray) -> float:
+        """The model's seconds for one step: the verify and what the step waits for drafting."""
+        verify = self.costs.verify(batch, width)
         if c.mode == Mode.CHAIN and c.overlap:
-            verify = self.costs.verify(batch, width, overlapped=True)
-            predraft = self.costs.draft(drafting, predraft_shape(c.k), overlapped=True)
+            predraft = self.costs.draft(drafting, predraft_shape(c.k))
             # Requests whose pre-draft missed need a draft before the next verify: one draft step
             # (for the expected number of misses) whenever any of them missed.
             misses = float((1.0 - full_accept).sum())
             p_any_miss = 1.0 - float(np.prod(full_accept))
             sync = p_any_miss * self.costs.draft(max(1, round(misses)), c.draft_shape)
             return max(verify, predraft) + sync
-        return self.costs.draft(drafting, c.draft_shape) + self.costs.verify(batch, width)
+        return verify + self.costs.draft(drafting, c.draft_shape)
 
 
 class CyclingPolicy:
