@@ -13,7 +13,7 @@ from gateway.servicer import GatewayServicer
 from gateway.validation import RequestValidator
 from specdec.config import GatewayConfig
 from specdec.log import configure_logging
-from specdec.rpc import gateway_pb2_grpc
+from specdec.rpc import gateway_pb2, gateway_pb2_grpc
 from specdec.serving import ServingState, run, serve
 
 BACKEND_WAIT_SECONDS = 600.0  # model loading can take minutes
@@ -59,4 +59,5 @@ def run_gateway(cfg: GatewayConfig) -> None:
                  drafters=len(router.drafters.healthy()) if router.drafters else 0, max_context=max_context)
         print(f"gateway listening on {cfg.listen}", flush=True)
 
-    run(serve(cfg.listen, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s), log, on_start))
+    run(serve(cfg.listen, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s),
+              gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name, log, on_start))

@@ -11,8 +11,6 @@ from specdec.limits import MAX_CHAIN_K, MAX_TREE_BUDGET, MAX_TREE_DEPTH, MAX_TRE
 from specdec.rpc import gateway_pb2
 from specdec.sampling import SamplingParams
 
-MAX_SAMPLES = 16
-
 MAX_STOP_STRINGS = 16
 MODES = {
     gateway_pb2.SPEC_MODE_CHAIN: Mode.CHAIN,
@@ -84,7 +82,10 @@ class RequestValidator:
         problem = params.problem()
         if problem:
             raise InvalidRequest(problem)
-        n = _in_range("n", msg.n or 1, 1, min(MAX_SAMPLES, self.max_sequences))
+        n, most = msg.n or 1, min(self.cfg.max_n, self.max_sequences)
+        if not 1 <= n <= most:
+            raise InvalidRequest(f"n={n} is out of range; use 1..{most} (the gateway's --max-n is {self.cfg.max_n}, "
+                                 f"and a request's samples share one verifier's {self.max_sequences} KV slots)")
         return params, n
 
     def validate(self, msg: gateway_pb2.GenerateRequest) -> GenerationRequest:

@@ -171,6 +171,7 @@ class GatewayConfig:
     resolve_interval: float
     test_hold_dir: Path | None = None
     default_mode: str = "auto"      # for requests that leave the mode unspecified
+    max_n: int = 64                 # most samples one request may ask for
     test_auto_cycle: bool = False   # tests only: auto cycles through its choices step by step
 
     @staticmethod
@@ -193,6 +194,9 @@ class GatewayConfig:
         p.add_argument("--default-mode", choices=["auto", "chain", "tree", "off"], default=env("DEFAULT_MODE", "auto"),
                        help="speculation mode of requests that do not name one (auto: chosen per step from the "
                             "measured acceptance and step costs; see README)")
+        p.add_argument("--max-n", type=int, default=int(env("MAX_N", "64")),
+                       help="most samples (Sampling.n) one request may ask for (env SPECDEC_MAX_N); also capped "
+                            "by the verifier's KV slots")
         p.add_argument("--k", type=int, default=int(env("CHAIN_K", "4")), help="default chain draft length")
         p.add_argument("--topk", type=int, default=int(env("TREE_TOPK", "4")))
         p.add_argument("--depth", type=int, default=int(env("TREE_DEPTH", "4")))
@@ -209,4 +213,5 @@ class GatewayConfig:
         drafter = None if (a.drafter or "none").lower() == "none" else a.drafter
         return cls(a.listen, a.verifier, drafter, tokenizer_dir, a.max_queue, a.max_new_tokens,
                    a.k, a.topk, a.depth, a.budget, a.resolve_interval,
-                   Path(a.test_hold_dir) if a.test_hold_dir else None, a.default_mode, a.test_auto_cycle)
+                   Path(a.test_hold_dir) if a.test_hold_dir else None, default_mode=a.default_mode,
+                   max_n=a.max_n, test_auto_cycle=a.test_auto_cycle)

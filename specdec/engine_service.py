@@ -13,7 +13,7 @@ from specdec.model.cuda_graphs import DEFAULT_QUERY_LENS
 from specdec.model.loader import DTYPES
 from specdec.model.parallel import TPLayout
 from specdec.model.spec import ModelSpec
-from specdec.rpc import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
+from specdec.rpc import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specdec.serving import ServingState, run, serve
 
 
@@ -100,8 +100,10 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
         await state.set_serving(True)
         log.info("ready")
 
+    service = (verifier_pb2 if cfg.role == "verifier" else drafter_pb2).DESCRIPTOR.services_by_name[
+        cfg.role.capitalize()].full_name
     try:
-        run(serve(cfg.listen, register, log, on_start))
+        run(serve(cfg.listen, register, service, log, on_start))
     finally:
         if runner is not None:
             executor.submit(runner.shutdown).result()

@@ -1,4 +1,5 @@
-"""Run a grpc.aio server on uvloop with the standard health service and clean SIGINT/SIGTERM shutdown."""
+"""Run a grpc.aio server on uvloop with the standard health service, server reflection (so grpcurl
+and other generic tools work without the proto files) and clean SIGINT/SIGTERM shutdown."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 # Room for long prompts and, later, hidden-state payloads (EAGLE-3: ~24 KiB per token).
 MESSAGE_LIMIT = 256 * 1024 * 1024
@@ -33,13 +35,17 @@ class ServingState:
 async def serve(
     listen: str,
     register: Callable[[grpc.aio.Server], None],
+    service: str,
     log,
     on_start: Callable[[ServingState], Awaitable[None]] | None = None,
 ) -> None:
+    """service: the full name of the service `register` adds (listed by reflection)."""
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     register(server)
     state = ServingState()
     health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection([service, health_name, reflection.SERVICE_NAME], server)
     if server.add_insecure_port(listen) == 0:
         raise SystemExit(f"cannot listen on {listen}")
     await server.start()

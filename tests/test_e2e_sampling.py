@@ -74,3 +74,15 @@ def test_cli_prints_one_json_line_per_sample(cluster):
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert [r["sample_index"] for r in lines] == [0, 1, 2]
     assert all(len(r["output_token_ids"]) == 8 and r["prompt_token_ids"] == [4, 5, 6] for r in lines)
+
+
+def test_sixty_four_samples_by_default_and_max_n_says_what_limits_more(checkpoints, start_cluster):
+    wide = start_cluster(checkpoints["llama-gqa"], checkpoints["llama-gqa/draft"], extra=["--max-sequences", "80"])
+    req = request([4, 5, 6], 3)
+    req.sampling.CopyFrom(gateway_pb2.Sampling(temperature=1.0, n=64, seed=3))
+    finals = [m.final for m in wide.gateway.Generate(req, timeout=120) if m.HasField("final")]
+    assert sorted(f.sample_index for f in finals) == list(range(64))
+    req.sampling.n = 65
+    with pytest.raises(grpc.RpcError) as err:
+        list(wide.gateway.Generate(req, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-n is 64" in err.value.details()

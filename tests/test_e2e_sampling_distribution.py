@@ -51,7 +51,7 @@ from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree, Proposal
 
 VOCAB = 6
-N_PER_REQUEST = 16  # the gateway's maximum n
+N_PER_REQUEST = 16  # samples per request
 WORKERS = 32        # concurrent requests: up to 512 sequences per batched step
 
 
