@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import structlog
 
+from gateway import metrics
 from gateway.auto.controller import AutoController, draft_family
 from gateway.backends import BackendLost, StepStream
 from gateway.hold import NO_HOLD, POLL_SECONDS, HoldGate
@@ -47,6 +48,7 @@ class Scheduler:
         self.close_drafter: dict[str, list[str]] = defaultdict(list)
         self.wakeup = asyncio.Event()
         self.step_no = 0
+        self.tally = metrics.StepTally(verifier.address)
         self.log = structlog.get_logger(service="gateway", verifier=verifier.address)
 
     @property
@@ -96,6 +98,7 @@ class Scheduler:
 
     async def _step(self) -> None:
         self.step_no += 1
+        t0 = time.perf_counter()
         for r in [r for r in self.active.values() if r.cancelled]:
             self.log.info("request cancelled", request_id=r.req.request_id)
             self._retire(r)
@@ -105,9 +108,12 @@ class Scheduler:
         if self.auto is not None:
             self.auto.plan(continuing)
         started = time.perf_counter()
+        self.tally.queue.set(len(self.pending))
+        self.tally.active.set(len(self.active))
         need = [r for r in continuing if r.mode != Mode.OFF and r.draft is None]
+        draft = (0.0, 0.0)
         if need:
-            await self._draft_all(need, predraft=False)
+            draft = await self._draft_all(need, predraft=False)
 
         verify_msg = verifier_pb2.VerifyStepRequest(
             step=self.step_no,
@@ -121,10 +127,13 @@ class Scheduler:
         )
         self.close_verifier = []
         overlap = [r for r in continuing if r.mode == Mode.CHAIN and r.settings.overlap and r.draft]
-        verdicts, _ = await asyncio.gather(self.verifier.step(verify_msg), self._draft_all(overlap, predraft=True))
+        (verdicts, verify_rtt), _ = await asyncio.gather(timed(self.verifier.step(verify_msg)),
+                                                         self._draft_all(overlap, predraft=True))
+        waited = time.perf_counter() - started   # for the drafts, then the verify (and pre-drafts)
         if self.auto is not None and continuing and not opens:   # (a prefill would blur the step's cost)
-            self.auto.observe_step(time.perf_counter() - started)
+            self.auto.observe_step(waited)
         self._apply_verdicts(verdicts)
+        self.tally.flush(time.perf_counter() - t0, waited, (verify_rtt, verdicts.engine_seconds), draft)
 
     def _admit(self) -> list[ActiveRequest]:
         opens = []
@@ -139,17 +148,19 @@ class Scheduler:
         return opens
 
     # ---- drafting ----------------------------------------------------------------------------
-    async def _draft_all(self, reqs: list[ActiveRequest], predraft: bool) -> None:
-        """One draft step on every drafter replica that has work (or closes) pending, concurrently."""
+    async def _draft_all(self, reqs: list[ActiveRequest], predraft: bool) -> tuple[float, float]:
+        """One draft step on every drafter replica that has work (or closes) pending, concurrently;
+        -> (round trip, engine seconds) of the slowest replica."""
         groups: dict[str, list[ActiveRequest]] = defaultdict(list)
         for r in reqs:
             groups[r.drafter].append(r)
         for address, closes in self.close_drafter.items():
             if closes:
                 groups.setdefault(address, [])
-        await asyncio.gather(*(self._draft(address, group, predraft) for address, group in groups.items()))
+        times = await asyncio.gather(*(self._draft(address, group, predraft) for address, group in groups.items()))
+        return max(times, default=(0.0, 0.0))
 
-    async def _draft(self, address: str, reqs: list[ActiveRequest], predraft: bool) -> None:
+    async def _draft(self, address: str, reqs: list[ActiveRequest], predraft: bool) -> tuple[float, float]:
         items = []
         for r in reqs:
             spec = r.settings
@@ -171,10 +182,10 @@ class Scheduler:
                                            close=self.close_drafter.pop(address, []))
         stream = self.drafters.get(address) or self.drafters.setdefault(address, StepStream("drafter", address))
         try:
-            resp = await stream.step(msg)
+            resp, rtt = await timed(stream.step(msg))
         except BackendLost as exc:
             self._drafter_lost(address, str(exc))
-            return
+            return 0.0, 0.0
         by_id = {r.seq_id: r for r in reqs}
         for err in map(error_from_proto, resp.errors):
             r = by_id.get(err.seq_id)
@@ -191,6 +202,7 @@ class Scheduler:
             else:
                 r.draft = tree_from_proto(d.tree)
                 r.draft_family = draft_family(r.settings, r.mode)
+        return rtt, resp.engine_seconds
 
     def _stop_speculating(self, r: ActiveRequest) -> None:
         if r.drafter_len:
@@ -237,16 +249,23 @@ class Scheduler:
         s.accepted += accepted_drafts
         s.committed_by_steps += len(accepted)
         full = r.draft is not None and accepted_drafts == drafted
+        depth = r.draft.shape()[0] if r.draft else 0
+        if depth:
+            self.tally.verdict(depth, accepted_drafts, len(accepted))
+        if r.auto:
+            self.tally.choices[r.choice or "off"] = self.tally.choices.get(r.choice or "off", 0) + 1
         if self.auto is not None:
-            self.auto.observe_verdict(r, r.draft.shape()[0] if r.draft else 0, accepted_drafts)
+            self.auto.observe_verdict(r, depth, accepted_drafts)
         r.draft = None
         if r.predraft is not None:
             if full and len(r.predraft) > 1 and r.predraft.token_ids[0] == accepted[-1]:
                 r.draft = r.predraft.suffix(1)
                 r.draft_family = "chain"
                 s.overlap_hits += 1
+                self.tally.hits += 1
             else:
                 s.overlap_misses += 1
+                self.tally.misses += 1
             r.predraft = None
 
     def _emit(self, r: ActiveRequest, new: list[int]) -> None:
@@ -306,3 +325,9 @@ def concat_payloads(parts: list[common_pb2.TensorPayload]) -> common_pb2.TensorP
     return common_pb2.TensorPayload(dtype=first.dtype, shape=[sum(p.shape[0] for p in parts), *first.shape[1:]],
                                     data=b"".join(p.data for p in parts))
 
+
+async def timed(call: Awaitable) -> tuple[object, float]:
+    """(the call's result, its wall seconds)."""
+    t0 = time.perf_counter()
+    result = await call
+    return result, time.perf_counter() - t0

@@ -13,6 +13,7 @@ from gateway.servicer import GatewayServicer
 from gateway.validation import RequestValidator
 from specdec.config import GatewayConfig
 from specdec.log import configure_logging
+from specdec.metrics import start_metrics
 from specdec.rpc import gateway_pb2, gateway_pb2_grpc
 from specdec.serving import ServingState, run, serve
 
@@ -30,6 +31,7 @@ def eos_ids(tokenizer, tokenizer_dir) -> set[int]:
 
 def run_gateway(cfg: GatewayConfig) -> None:
     log = configure_logging("gateway")
+    start_metrics(cfg.metrics_listen, log)
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.tokenizer_dir))
     servicer = GatewayServicer(tokenizer)
     tasks: set[asyncio.Task] = set()  # keeps the router's refresh task referenced

@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import time
 import uuid
 
 import grpc
 import structlog
 
+from gateway import metrics
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.request import ActiveRequest, GenerationRequest, InvalidRequest
 from gateway.router import NoBackend, QueueFull, Router
 from gateway.validation import RequestValidator
 from specdec.rpc import gateway_pb2, gateway_pb2_grpc
+
+
+class AbortedRequest(Exception):
+    """Ends a request with this gRPC status (a status name) and message."""
+
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -41,32 +52,58 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return samples
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        status = "CANCELLED"   # unless it ends otherwise: the client went away or its deadline passed
+        try:
+            # aclosing: a cancelled call closes the inner generator at once, so its finally frees
+            # the request's sequences everywhere now, not whenever it is collected.
+            async with contextlib.aclosing(self._generate(request, context)) as stream:
+                async for msg in stream:
+                    yield msg
+            status = "OK"
+        except AbortedRequest as exc:
+            status = exc.status
+            await context.abort(getattr(grpc.StatusCode, exc.status), exc.message)
+        finally:
+            metrics.REQUESTS.labels(status).inc()
+
+    async def _generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         if self.router is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the gateway is still connecting to its backends")
+            raise AbortedRequest("UNAVAILABLE", "the gateway is still connecting to its backends")
         try:
             req = self.validator.validate(request)
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise AbortedRequest("INVALID_ARGUMENT", str(exc)) from None
         samples = self._samples(req)
         log = self.log.bind(request_id=req.request_id, seq_id=samples[0].seq_id)
         try:
             scheduler = self.router.submit(samples)
         except QueueFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            raise AbortedRequest("RESOURCE_EXHAUSTED", str(exc)) from None
         except NoBackend as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            raise AbortedRequest("UNAVAILABLE", str(exc)) from None
         log.info("request started", prompt_tokens=len(req.prompt_ids), mode=req.spec.mode.value, n=req.n,
                  max_new_tokens=req.max_new_tokens, verifier=samples[0].verifier, drafter=samples[0].drafter)
+        metrics.PROMPT_TOKENS.inc(len(req.prompt_ids))
+        started = time.perf_counter()
+        first: dict[int, float] = {}
         open_samples = req.n
         try:
             while open_samples:
                 ev = await samples[0].events.get()
                 if ev.error is not None:
                     log.warning("request failed", status=ev.error[0], error=ev.error[1])
-                    await context.abort(getattr(grpc.StatusCode, ev.error[0]), ev.error[1])
+                    raise AbortedRequest(*ev.error)
+                now = time.perf_counter()
+                if ev.token_ids:
+                    metrics.COMPLETION_TOKENS.inc(len(ev.token_ids))
+                    if ev.sample_index not in first:
+                        first[ev.sample_index] = now
+                        metrics.TTFT.observe(now - started)
                 msg = gateway_pb2.GenerateResponse(token_ids=ev.token_ids, text=ev.text, sample_index=ev.sample_index)
                 if ev.finish_reason is not None:
                     r = samples[ev.sample_index]
+                    if r.generated > 1:
+                        metrics.TPOT.observe((now - first[ev.sample_index]) / (r.generated - 1))
                     msg.final.CopyFrom(self._final(r, ev.finish_reason))
                     log.info("sample finished", sample=r.sample_index, reason=ev.finish_reason, tokens=r.generated,
                              mean_accepted_length=round(r.stats.mean_accepted_length, 3))

@@ -9,6 +9,7 @@ import torch
 
 from specdec.config import EngineServiceConfig
 from specdec.log import configure_logging
+from specdec.metrics import start_metrics
 from specdec.model.cuda_graphs import DEFAULT_QUERY_LENS
 from specdec.model.loader import DTYPES
 from specdec.model.parallel import TPLayout
@@ -19,6 +20,7 @@ from specdec.serving import ServingState, run, serve
 
 def run_engine_service(cfg: EngineServiceConfig) -> None:
     log = configure_logging(cfg.role)
+    start_metrics(cfg.metrics_listen, log)
     spec = ModelSpec.from_pretrained(cfg.model_dir)
     problem = TPLayout.problem(spec, cfg.tp) if cfg.tp > 1 else None
     if problem:

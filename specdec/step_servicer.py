@@ -5,10 +5,12 @@ stream ends (a gateway that goes away leaves nothing behind)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from specdec.metrics import ENGINE_STREAMS, EngineMetrics
 from specdec.rpc import common_pb2
 
 
@@ -19,6 +21,7 @@ class StepStreamServicer:
         self.log = log
         self.executor = executor  # the one thread that runs the engine (and its collectives)
         self.open_streams = 0
+        self.metrics = EngineMetrics(info.role, engine)
 
     # Subclasses convert between protobuf and the engine's dataclasses.
     def step_from_proto(self, msg):
@@ -35,22 +38,33 @@ class StepStreamServicer:
         loop = asyncio.get_running_loop()
         owned: set[str] = set()
         self.open_streams += 1
+        ENGINE_STREAMS.labels(self.info.role).set(self.open_streams)
         try:
             async for msg in request_iterator:
                 req = self.step_from_proto(msg)
                 owned -= set(req.close)
                 try:
-                    res = await loop.run_in_executor(self.executor, self.engine.step, req)
+                    res, seconds = await loop.run_in_executor(self.executor, self._timed_step, req)
                 except Exception as exc:  # a bug, not bad input: end this stream loudly
                     self.log.exception("step failed", step=req.step)
                     await context.abort(grpc.StatusCode.INTERNAL, f"{self.info.role} step failed: {exc}")
                 owned |= self.held_after(req, res)
-                yield self.result_to_proto(res)
+                self.metrics.after_step(seconds)
+                msg = self.result_to_proto(res)
+                msg.engine_seconds = seconds
+                yield msg
         finally:
             self.open_streams -= 1
+            ENGINE_STREAMS.labels(self.info.role).set(self.open_streams)
             if owned:
                 self.log.info("stream ended; freeing its sequences", count=len(owned))
                 await loop.run_in_executor(self.executor, self.engine.close, sorted(owned))
+                self.metrics.refresh()
+
+    def _timed_step(self, req):
+        t0 = time.perf_counter()
+        res = self.engine.step(req)
+        return res, time.perf_counter() - t0
 
     async def GetInfo(self, request, context) -> common_pb2.ServiceInfo:
         info = common_pb2.ServiceInfo()
