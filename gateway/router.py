@@ -18,7 +18,7 @@ from gateway.backends import StepStream
 from gateway.hold import NO_HOLD, HoldGate
 from gateway.replicas import Replica, ReplicaSet
 from gateway.request import ActiveRequest, Mode
-from gateway.scheduler import Scheduler
+from gateway.scheduler import Scheduler, wait_at_most
 from specdec.cost_profile import StepCost
 from specdec.rpc.convert import costs_from_info
 
@@ -74,6 +74,11 @@ class Router:
                 self._start_scheduler(replica)
 
     @property
+    def load(self) -> int:
+        """Requests admitted or waiting, over all verifiers."""
+        return sum(s.load for s in self.schedulers.values())
+
+    @property
     def can_serve(self) -> bool:
         """A request could be served now: some verifier is healthy (drafters are optional)."""
         return bool(self.verifiers.healthy())
@@ -82,10 +87,7 @@ class Router:
         """Re-resolve and health-check every `interval` seconds, at once after a replica was
         lost, and report whether a request can be served now."""
         while True:
-            try:
-                await asyncio.wait_for(self._lost.wait(), interval)
-            except TimeoutError:
-                pass
+            await wait_at_most(self._lost, interval)
             self._lost.clear()
             try:
                 await self.refresh()

@@ -72,10 +72,7 @@ class Scheduler:
             if not self._has_work():
                 self.wakeup.clear()
                 if self.active:  # all held (test hook): look at the hold files again soon
-                    try:
-                        await asyncio.wait_for(self.wakeup.wait(), POLL_SECONDS)
-                    except TimeoutError:
-                        pass
+                    await wait_at_most(self.wakeup, POLL_SECONDS)
                 else:
                     await self.wakeup.wait()
                 continue
@@ -331,3 +328,14 @@ async def timed(call: Awaitable) -> tuple[object, float]:
     t0 = time.perf_counter()
     result = await call
     return result, time.perf_counter() - t0
+
+
+async def wait_at_most(event: asyncio.Event, seconds: float) -> None:
+    """event.wait() for at most `seconds`. (Not asyncio.wait_for: on Python 3.11 it can swallow a
+    cancellation that lands as the wait completes, and a task that ignores its cancellation keeps
+    the process from exiting at shutdown.)"""
+    try:
+        async with asyncio.timeout(seconds):
+            await event.wait()
+    except TimeoutError:
+        pass

@@ -15,7 +15,7 @@ from specdec.config import GatewayConfig
 from specdec.log import configure_logging
 from specdec.metrics import start_metrics
 from specdec.rpc import gateway_pb2, gateway_pb2_grpc
-from specdec.serving import ServingState, run, serve
+from specdec.serving import ServingState, run, serve, wait_idle
 
 BACKEND_WAIT_SECONDS = 600.0  # model loading can take minutes
 
@@ -61,5 +61,10 @@ def run_gateway(cfg: GatewayConfig) -> None:
                  drafters=len(router.drafters.healthy()) if router.drafters else 0, max_context=max_context)
         print(f"gateway listening on {cfg.listen}", flush=True)
 
+    async def drain() -> None:
+        servicer.draining = True   # new requests: UNAVAILABLE; running ones finish
+        router = servicer.router
+        await wait_idle(lambda: router.load if router else 0, cfg.drain_seconds, log, "requests")
+
     run(serve(cfg.listen, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s),
-              gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name, log, on_start))
+              gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name, log, on_start, drain))

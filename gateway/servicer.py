@@ -34,6 +34,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.tokenizer = tokenizer
         self.validator: RequestValidator | None = None
         self.router: Router | None = None
+        self.draining = False   # set on SIGTERM: running requests finish, new ones are refused
         self.log = structlog.get_logger(service="gateway")
 
     def attach(self, validator: RequestValidator, router: Router) -> None:
@@ -69,6 +70,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         if self.router is None:
             raise AbortedRequest("UNAVAILABLE", "the gateway is still connecting to its backends")
+        if self.draining:
+            raise AbortedRequest("UNAVAILABLE", "the gateway is shutting down; retry (another replica serves it)")
         try:
             req = self.validator.validate(request)
         except InvalidRequest as exc:

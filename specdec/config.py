@@ -67,6 +67,7 @@ class EngineServiceConfig:
     eagle3_head: Path | None = None  # drafter: an EAGLE-3 head (--model is then the target checkpoint)
     cost_profile: bool = True        # time engine steps at start-up for the gateway's --mode auto
     metrics_listen: str = ""         # Prometheus /metrics address (empty: none)
+    drain_seconds: float = 25.0      # on SIGTERM: how long in-flight sequences may take to finish
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
@@ -88,6 +89,7 @@ class EngineServiceConfig:
                        help="capture the repeating step forwards as CUDA graphs at start-up (cuda, --tp 1; "
                             "env SPECDEC_CUDA_GRAPHS=0 turns it off)")
         add_metrics_argument(p, key)
+        add_drain_argument(p)
         p.add_argument("--cost-profile", action=argparse.BooleanOptionalAction,
                        default=env("COST_PROFILE", "1") not in ("0", "false", "no"),
                        help="time engine steps per batch size and shape at start-up and report them, for the "
@@ -133,7 +135,7 @@ class EngineServiceConfig:
         return cls(role, model_dir, a.listen, a.device, a.dtype, a.max_sequences, a.max_context,
                    a.max_draft_tokens, a.tp, a.cuda_graphs, controlled, getattr(a, "batch_invariant", False),
                    parse_layers(getattr(a, "aux_hidden_layers", "")),
-                   Path(a.eagle3_head) if getattr(a, "eagle3_head", None) else None, a.cost_profile, a.metrics_listen)
+                   Path(a.eagle3_head) if getattr(a, "eagle3_head", None) else None, a.cost_profile, a.metrics_listen, a.drain_seconds)
 
 
 def parse_layers(text: str) -> tuple[int, ...]:
@@ -141,6 +143,12 @@ def parse_layers(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
     except ValueError:
         raise SystemExit(f"--aux-hidden-layers takes comma-separated layer numbers, not {text!r}") from None
+
+
+def add_drain_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drain-seconds", type=float, default=float(env("DRAIN_SECONDS", "25")),
+                   help="on SIGTERM/SIGINT: stop admitting, give in-flight work this long to finish, then exit "
+                        "(env SPECDEC_DRAIN_SECONDS; keep it below compose's stop_grace_period, 30 s)")
 
 
 def add_metrics_argument(p: argparse.ArgumentParser, key: str) -> None:
@@ -181,6 +189,7 @@ class GatewayConfig:
     default_mode: str = "auto"      # for requests that leave the mode unspecified
     max_n: int = 64                 # most samples one request may ask for
     metrics_listen: str = ""        # Prometheus /metrics address (empty: none)
+    drain_seconds: float = 25.0     # on SIGTERM: how long in-flight requests may take to finish
     test_auto_cycle: bool = False   # tests only: auto cycles through its choices step by step
 
     @staticmethod
@@ -204,6 +213,7 @@ class GatewayConfig:
                        help="speculation mode of requests that do not name one (auto: chosen per step from the "
                             "measured acceptance and step costs; see README)")
         add_metrics_argument(p, "GATEWAY")
+        add_drain_argument(p)
         p.add_argument("--max-n", type=int, default=int(env("MAX_N", "64")),
                        help="most samples (Sampling.n) one request may ask for (env SPECDEC_MAX_N); also capped "
                             "by the verifier's KV slots")
@@ -224,4 +234,4 @@ class GatewayConfig:
         return cls(a.listen, a.verifier, drafter, tokenizer_dir, a.max_queue, a.max_new_tokens,
                    a.k, a.topk, a.depth, a.budget, a.resolve_interval,
                    Path(a.test_hold_dir) if a.test_hold_dir else None, default_mode=a.default_mode,
-                   max_n=a.max_n, metrics_listen=a.metrics_listen, test_auto_cycle=a.test_auto_cycle)
+                   max_n=a.max_n, metrics_listen=a.metrics_listen, drain_seconds=a.drain_seconds, test_auto_cycle=a.test_auto_cycle)

@@ -15,7 +15,7 @@ from specdec.model.loader import DTYPES
 from specdec.model.parallel import TPLayout
 from specdec.model.spec import ModelSpec
 from specdec.rpc import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from specdec.serving import ServingState, run, serve
+from specdec.serving import ServingState, run, serve, wait_idle
 
 
 def run_engine_service(cfg: EngineServiceConfig) -> None:
@@ -105,7 +105,8 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
     service = (verifier_pb2 if cfg.role == "verifier" else drafter_pb2).DESCRIPTOR.services_by_name[
         cfg.role.capitalize()].full_name
     try:
-        run(serve(cfg.listen, register, service, log, on_start))
+        run(serve(cfg.listen, register, service, log, on_start,
+                  drain=lambda: wait_idle(lambda: len(engine.table), cfg.drain_seconds, log, "sequences")))
     finally:
         if runner is not None:
             executor.submit(runner.shutdown).result()

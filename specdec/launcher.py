@@ -1,7 +1,7 @@
 """`specdec serve`: verifier, drafter and gateway as three processes connected by gRPC on loopback.
 
 Each child is the same `specdec <service>` command docker compose runs. SIGINT/SIGTERM (or any
-child dying) stops all three.
+child dying) stops all three: each drains first (running requests finish, new ones are refused).
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def serve_all(args, target: Path, draft: Path, eagle3_head: Path | None) -> int:
     for proc in reversed(list(procs.values())):  # gateway first, then the backends
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 15
+    # Each child drains (finishes what it has in flight) for up to SPECDEC_DRAIN_SECONDS, then exits.
+    deadline = time.monotonic() + float(os.environ.get("SPECDEC_DRAIN_SECONDS", "25")) + 5
     for proc in procs.values():
         try:
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))

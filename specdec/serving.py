@@ -1,5 +1,7 @@
 """Run a grpc.aio server on uvloop with the standard health service, server reflection (so grpcurl
-and other generic tools work without the proto files) and clean SIGINT/SIGTERM shutdown."""
+and other generic tools work without the proto files) and a graceful drain on SIGINT/SIGTERM:
+health turns NOT_SERVING, the owner's `drain` hook waits (up to its grace period) for in-flight
+work to finish, then the server stops."""
 
 from __future__ import annotations
 
@@ -38,8 +40,10 @@ async def serve(
     service: str,
     log,
     on_start: Callable[[ServingState], Awaitable[None]] | None = None,
+    drain: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """service: the full name of the service `register` adds (listed by reflection)."""
+    """service: the full name of the service `register` adds (listed by reflection); drain: awaited
+    after a stop signal, before the server stops (it bounds its own wait)."""
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     register(server)
     state = ServingState()
@@ -59,10 +63,25 @@ async def serve(
         await state.set_serving(True)
     log.info("listening", address=listen)
     await stop.wait()
-    log.info("shutting down")
+    log.info("draining: not admitting new work")
     state.stopping = True
     await state.set_serving(False)
+    if drain is not None:
+        await drain()
+    log.info("shutting down")
     await server.stop(grace=2.0)
+
+
+async def wait_idle(busy: Callable[[], int], seconds: float, log, what: str) -> None:
+    """Until busy() is 0 or `seconds` have passed (then what is left is cut off, and said)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while (left := busy()) and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if left:
+        log.warning(f"drain period over; {left} {what} cut off", drain_seconds=seconds)
+    else:
+        log.info(f"drained: no {what} left")
 
 
 def run(main: Awaitable[None]) -> None:
