@@ -64,6 +64,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="draft with this EAGLE-3 head (published layout) instead of --draft; the verifier then "
                         "sends the head's hidden-state layers with its verdicts (default with no --target and "
                         "no --draft: the embedded head trained for SmolLM2)")
+    s.add_argument("--max-restarts", type=int, default=int(env("MAX_RESTARTS", "5")),
+                   help="a child that dies is restarted; more than this many restarts within --restart-window "
+                        "seconds is a crash loop and stops serve")
+    s.add_argument("--restart-window", type=float, default=float(env("RESTART_WINDOW", "60")))
     s.add_argument("--batch-invariant", action="store_true", default=env("BATCH_INVARIANT", "0") not in ("0", "false", "no"),
                    help="verifier with batch-invariant kernels: every mode bit-identical to mode off in bf16 (slower)")
 

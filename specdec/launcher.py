@@ -1,7 +1,9 @@
 """`specdec serve`: verifier, drafter and gateway as three processes connected by gRPC on loopback.
 
-Each child is the same `specdec <service>` command docker compose runs. SIGINT/SIGTERM (or any
-child dying) stops all three: each drains first (running requests finish, new ones are refused).
+Each child is the same `specdec <service>` command docker compose runs. A child that dies is
+restarted (with backoff) while the others keep serving; SIGINT/SIGTERM stops all three, each
+draining first (running requests finish, new ones are refused), and so does a child that keeps
+crashing.
 """
 
 from __future__ import annotations
@@ -45,37 +47,83 @@ def serve_all(args, target: Path, draft: Path, eagle3_head: Path | None) -> int:
     children.append(("gateway", [*base, "gateway", "--listen", args.listen, "--verifier", verifier_addr,
                                  "--drafter", "none" if args.no_drafter else drafter_addr, "--target", str(target)],
                      None))
-    procs: dict[str, subprocess.Popen] = {}
-    stopping = False
+    return Supervisor(children, args.max_restarts, args.restart_window).run()
 
-    def stop(*_):
-        nonlocal stopping
-        stopping = True
 
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    for name, cmd, gpus in children:
+class Supervisor:
+    """Runs the children; restarts one that dies (with backoff, logged) while the others keep
+    serving: a lost drafter's requests finish in mode off, a lost verifier's fail with
+    UNAVAILABLE and new ones succeed once it is back (the gateway re-checks its replicas). Stops
+    on SIGINT/SIGTERM (each child drains) or when a child crash-loops (more than `max_restarts`
+    restarts within `window` seconds), and says which."""
+
+    def __init__(self, children: list[tuple[str, list[str], str | None]], max_restarts: int, window: float) -> None:
+        self.children = {name: (cmd, gpus) for name, cmd, gpus in children}
+        self.max_restarts, self.window = max_restarts, window
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.restarts: dict[str, list[float]] = {name: [] for name in self.children}
+        self.due: dict[str, float] = {}          # child -> when to start it again
+        self.signal: str | None = None
+
+    def _start(self, name: str) -> None:
+        cmd, gpus = self.children[name]
         env = dict(os.environ)
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus
         # Own process group: a terminal's Ctrl-C reaches us once, and we stop the children in order.
-        procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True)
-    code = 0
-    while not stopping:
-        for name, proc in procs.items():
-            if proc.poll() is not None:
-                print(f"{name} exited with code {proc.returncode}; stopping the others", file=sys.stderr)
-                stopping, code = True, 1
-                break
-        time.sleep(0.2)
-    for proc in reversed(list(procs.values())):  # gateway first, then the backends
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    # Each child drains (finishes what it has in flight) for up to SPECDEC_DRAIN_SECONDS, then exits.
-    deadline = time.monotonic() + float(os.environ.get("SPECDEC_DRAIN_SECONDS", "25")) + 5
-    for proc in procs.values():
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return code
+        self.procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True)
+        say(f"{name} started (pid {self.procs[name].pid})")
+
+    def run(self) -> int:
+        def on_signal(signum, _frame):
+            self.signal = signal.Signals(signum).name
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        for name in self.children:
+            self._start(name)
+        code, reason = 0, None
+        while self.signal is None and reason is None:
+            now = time.monotonic()
+            for name, proc in list(self.procs.items()):
+                if name in self.due or proc.poll() is None:
+                    continue
+                recent = [t for t in self.restarts[name] if now - t < self.window] + [now]
+                self.restarts[name] = recent
+                if len(recent) > self.max_restarts:
+                    reason = (f"{name} exited {len(recent)} times within {self.window:.0f} s (last code "
+                              f"{proc.returncode}): a crash loop")
+                    break
+                backoff = min(30.0, 2.0 ** (len(recent) - 1))
+                say(f"{name} exited with code {proc.returncode}; restarting it in {backoff:.0f} s "
+                    f"(restart {len(recent)} of at most {self.max_restarts} within {self.window:.0f} s)")
+                self.due[name] = now + backoff
+            for name, when in list(self.due.items()):
+                if now >= when and self.signal is None:
+                    del self.due[name]
+                    self._start(name)
+            time.sleep(0.2)
+        if reason is not None:
+            say(f"stopping: {reason}")
+            code = 1
+        else:
+            say(f"stopping on {self.signal}: each service drains its requests first")
+        self._stop_all()
+        return code
+
+    def _stop_all(self) -> None:
+        procs = [p for name, p in reversed(list(self.procs.items())) if name not in self.due]
+        for proc in procs:  # gateway first, then the backends
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        # Each child drains (finishes what it has in flight) for up to SPECDEC_DRAIN_SECONDS, then exits.
+        deadline = time.monotonic() + float(os.environ.get("SPECDEC_DRAIN_SECONDS", "25")) + 5
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def say(line: str) -> None:
+    print(f"specdec serve: {line}", file=sys.stderr, flush=True)
