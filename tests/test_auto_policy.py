@@ -58,6 +58,8 @@ def test_no_acceptance_turns_speculation_off_and_probes_ever_less_often():
             probes.append(step)
             observe(p, "r0", plan.choice.family, 0.0, 1, rng, plan.choice.positions)
     assert p.plan(["r0"], 0, 1, 0.0).choice == OFF
+    # The first measurements: five probes, then a few more tries while the estimate is unsure.
+    assert probes[:5] == [0, 1, 2, 3, 4] and len([s for s in probes if s < 100]) <= 20
     late = [s for s in probes if s >= 100]
     assert len(late) <= 6, probes                                  # doubling intervals: a handful in 3000 steps
     assert all(b - a >= 2 * (d - c) for (a, b), (c, d) in zip(zip(late[1:], late[2:]), zip(late, late[1:])))

@@ -125,7 +125,8 @@ def test_tiny_concurrency_sweep_with_auto(tmp_path):
     assert all(r["same_as_off"] == 1.0 for r in auto.values())
     for c in (1, 3):
         off, on = auto[(0.0, c)], auto[(1.0, c)]
-        assert off["accepted"] == 0 and off["drafted"] <= off["steps"] // 4, off   # a few probes at most
+        # off: a few tries while the drafter is new, far below chain k=2's two tokens every step
+        assert off["accepted"] == 0 and off["drafted"] <= off["steps"] // 2, off
         assert on["accept_len"] > 2.0, on
     text = md.read_text()
     assert "suite" in text and text.count(sweep_report.BEGIN) == 1 and sweep_report.END in text

@@ -27,10 +27,12 @@ class Rates:
         self.decay = decay
         self.tried = np.zeros(MAX_POSITIONS)
         self.accepted = np.zeros(MAX_POSITIONS)
+        self.count = 0
 
     def observe(self, depth: int, accepted: int) -> None:
         self.tried *= self.decay
         self.accepted *= self.decay
+        self.count += 1
         self.tried[:min(accepted + 1, depth)] += 1.0
         self.accepted[:accepted] += 1.0
 
@@ -50,8 +52,9 @@ class Rates:
         return np.minimum(rates + ucb * np.sqrt(rates * (1.0 - rates) / n), 0.99)
 
     @property
-    def observations(self) -> float:
-        return float(self.tried[0])
+    def observations(self) -> int:
+        """Verdicts seen (not decayed)."""
+        return self.count
 
     @staticmethod
     def unexplored(reference: np.ndarray | None, optimism: float) -> np.ndarray:
@@ -92,9 +95,9 @@ class AcceptanceBook:
     def forget(self, seq_id: str) -> None:
         self.requests.pop(seq_id, None)
 
-    def drafter_observations(self, family: str) -> float:
+    def drafter_observations(self, family: str) -> int:
         own = self.drafter.get(family)
-        return own.observations if own is not None else 0.0
+        return own.observations if own is not None else 0
 
     def drafter_rates(self, family: str) -> np.ndarray:
         chain = self.drafter.get("chain")
