@@ -101,21 +101,15 @@ def main(argv: list[str] | None = None) -> Path:
     a = parse(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
-    dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float64" if a.tiny else "float32")
     plan = build_plan(a.acceptance, a.concurrency, a.configs, a.quick, a.full)
-    a.out_dir.mkdir(parents=True, exist_ok=True)
-    work = a.work_dir or Path(tempfile.mkdtemp(prefix="specdec-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
-    desc, gpu = machine(a.device)
-    meta = {"command": shlex.join(["python", "-m", "benchmarks.run", *argv]), "date": time.strftime("%Y-%m-%d"),
-            "machine": desc, "gpu": gpu, "dtype": dtype, "max_new_tokens": a.max_new_tokens, "timings": {},
-            **versions()}
+    dtype, work, meta = start_run(a, "benchmarks.run", argv)
     parts = set(a.parts)
     inprocess = [c for c in plan.cells if c.config.mode != "auto"]
     total = (len(plan.cells) * ("gateway" in parts) + len(inprocess) * ("inprocess" in parts) + 2 * ("hf" in parts)
              + (len(plan.smollm2) + 2) * ("smollm2" in parts))
     state = SuiteState(a.out_dir, meta, tqdm(total=total, desc="benchmark cells", file=sys.stderr))
-    print(f"benchmark suite: {total} rows, device {desc}, dtype {dtype}; logs and reference in {work}", flush=True)
+    print(f"benchmark suite: {total} rows, device {meta['machine']}, dtype {dtype}; logs and reference in {work}",
+          flush=True)
     try:
         if parts & {"inprocess", "gateway", "hf"} and plan.cells:
             _random_pair_parts(a, plan, parts, dtype, work, state)
@@ -131,6 +125,19 @@ def main(argv: list[str] | None = None) -> Path:
           + ("" if a.no_report else f"; report: {a.report}"), flush=True)
     print("timings (s): " + ", ".join(f"{k} {v:.0f}" for k, v in meta["timings"].items()), flush=True)
     return a.out_dir / "results.json"
+
+
+def start_run(a: argparse.Namespace, module: str, argv: list[str]) -> tuple[str, Path, dict]:
+    """A run's dtype, work directory (made) and metadata (command, date, machine, versions)."""
+    dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float64" if a.tiny else "float32")
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    work = a.work_dir or Path(tempfile.mkdtemp(prefix="specdec-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    desc, gpu = machine(a.device)
+    meta = {"command": shlex.join(["python", "-m", module, *argv]), "date": time.strftime("%Y-%m-%d"),
+            "machine": desc, "gpu": gpu, "dtype": dtype, "max_new_tokens": a.max_new_tokens, "timings": {},
+            **versions()}
+    return dtype, work, meta
 
 
 def _random_pair_parts(a, plan: Plan, parts: set, dtype: str, work: Path, state: SuiteState) -> None:

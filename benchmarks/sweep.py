@@ -13,11 +13,8 @@ one line per mode, and tabulates auto against mode off and against the best fixe
 from __future__ import annotations
 
 import argparse
-import shlex
 import shutil
 import sys
-import tempfile
-import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -27,7 +24,7 @@ from tqdm import tqdm
 from benchmarks import sweep_report
 from benchmarks.grid import CONFIGS, _cells, _ordered
 from benchmarks.models import REPO, EngineSettings, chat_prompts, embedded_pair, random_pair, random_prompts
-from benchmarks.run import _gateway_cells, checkpoint_root, machine, versions
+from benchmarks.run import _gateway_cells, checkpoint_root, start_run
 from benchmarks.suite_state import SuiteState
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 48, 64)
@@ -60,16 +57,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> Path:
     argv = sys.argv[1:] if argv is None else argv
     a = parse(argv)
-    dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float64" if a.tiny else "float32")
     random_cells = _ordered(_cells(a.acceptance, a.concurrency, a.modes)) if "random" in a.parts else ()
     smol_cells = _ordered(_cells([None], a.concurrency, a.modes)) if "smollm2" in a.parts else ()
-    a.out_dir.mkdir(parents=True, exist_ok=True)
-    work = a.work_dir or Path(tempfile.mkdtemp(prefix="specdec-sweep-"))
-    work.mkdir(parents=True, exist_ok=True)
-    desc, gpu = machine(a.device)
-    meta = {"command": shlex.join(["python", "-m", "benchmarks.sweep", *argv]), "date": time.strftime("%Y-%m-%d"),
-            "machine": desc, "gpu": gpu, "dtype": dtype, "max_new_tokens": a.max_new_tokens, "timings": {},
-            **versions()}
+    dtype, work, meta = start_run(a, "benchmarks.sweep", argv)
     state = SuiteState(a.out_dir, meta, tqdm(total=len(random_cells) + len(smol_cells), desc="sweep rows",
                                              file=sys.stderr))
     try:

@@ -6,7 +6,9 @@ verify step; in chain mode with overlap the drafters pre-draft step t+1 at the s
 assuming the draft under verification passes. A pre-draft is used only if the verdict accepted
 the whole draft and the bonus token equals the pre-draft's first token; otherwise it is dropped.
 Losing a drafter turns its requests into plain decoding (same tokens, lossless); losing the
-verifier fails this scheduler's requests with UNAVAILABLE.
+verifier fails this scheduler's requests with UNAVAILABLE. Requests in `--mode auto` get their
+shape for each step from gateway/auto/ (which learns from the verdicts and the step's time), and
+each step's counts and time split go to the metrics (gateway/metrics.py).
 """
 
 from __future__ import annotations
