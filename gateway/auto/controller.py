@@ -3,8 +3,8 @@
 Each step, `plan` sets every auto request's mode and draft settings for that step (the policy's
 choice, or off for those it leaves out), dropping a ready draft of another shape. After the
 verdicts, `observe_verdict` records each speculating request's accepted positions (fixed-mode
-requests too: they measure the same drafter) and the choice it ran; the scheduler reports the
-measured verify and draft round trips. Without both services' cost profiles (started with
+requests too: they measure the same drafter) and the choice it ran, and `observe_step` gives the
+policy the step's measured time. Without both services' cost profiles (started with
 --no-cost-profile) auto requests fall back to the gateway's default chain.
 """
 
@@ -21,7 +21,6 @@ from gateway.auto.policy import OFF, AutoPolicy, Choice, CyclingPolicy, Plan, me
 from gateway.request import ActiveRequest, Mode, SpecSettings
 from specdec.cost_profile import StepCost, tree_shape
 
-
 WARMUP_STEPS = 3
 
 
@@ -31,7 +30,7 @@ class AutoController:
         self.verifier_costs, self.drafter_costs = verifier_costs, drafter_costs
         self.max_draft_tokens = max_draft_tokens
         self.book = AcceptanceBook()
-        self.policies: dict[bool, AutoPolicy] = {}   # by whether overlap is allowed
+        self.policies: dict[bool, AutoPolicy | CyclingPolicy] = {}   # by whether overlap is allowed
         self.costs: CostModel | None = None
         self.log = log or structlog.get_logger(service="gateway")
         self.last_choice: dict[bool, str] = {}
