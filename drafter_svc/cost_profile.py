@@ -32,6 +32,7 @@ def _shapes(device: torch.device) -> list[tuple[str, ChainShape | TreeShape, int
 
 def measure_draft_costs(engine: DrafterEngine | Eagle3DrafterEngine, reps: int = 3) -> list[StepCost]:
     device, vocab = engine.device, engine.table.vocab_size
+    reps = reps if device.type == "cuda" else 1
     rng = random.Random(0)
     opened = engine.table.opened
     costs = []

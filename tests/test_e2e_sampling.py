@@ -19,7 +19,7 @@ MODES = [("off", {}), ("chain", {"k": 3}), ("chain", {"k": 3, "overlap": False})
 
 @pytest.fixture(scope="module")
 def cluster(checkpoints, start_cluster):
-    return start_cluster(checkpoints["llama-gqa"], checkpoints["llama-gqa/draft"])
+    return start_cluster(checkpoints["llama-gqa"], checkpoints["llama-gqa/draft"], extra=["--max-sequences", "80"])
 
 
 @pytest.mark.parametrize("mode, spec", MODES)
@@ -76,8 +76,8 @@ def test_cli_prints_one_json_line_per_sample(cluster):
     assert all(len(r["output_token_ids"]) == 8 and r["prompt_token_ids"] == [4, 5, 6] for r in lines)
 
 
-def test_sixty_four_samples_by_default_and_max_n_says_what_limits_more(checkpoints, start_cluster):
-    wide = start_cluster(checkpoints["llama-gqa"], checkpoints["llama-gqa/draft"], extra=["--max-sequences", "80"])
+def test_sixty_four_samples_by_default_and_max_n_says_what_limits_more(cluster):
+    wide = cluster
     req = request([4, 5, 6], 3)
     req.sampling.CopyFrom(gateway_pb2.Sampling(temperature=1.0, n=64, seed=3))
     finals = [m.final for m in wide.gateway.Generate(req, timeout=120) if m.HasField("final")]

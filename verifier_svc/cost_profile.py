@@ -20,6 +20,7 @@ PROMPT_LEN = 16
 
 def measure_verify_costs(engine: VerifierEngine, reps: int = 3) -> list[StepCost]:
     vocab, device = engine.table.vocab_size, engine.device
+    reps = reps if device.type == "cuda" else 1   # the CPU is not shared with other kernels' queues
     widths = [w for w in VERIFY_WIDTHS if w - 1 <= engine.max_draft_tokens]
     if device.type != "cuda":   # a CPU step costs in proportion to its tokens: three widths suffice
         widths = sorted({widths[0], widths[len(widths) // 2], widths[-1]})
