@@ -75,7 +75,7 @@ class EngineSettings:
 
     def flags(self) -> list[str]:
         return ["--max-sequences", str(self.max_sequences), "--max-context", str(self.max_context),
-                "--max-draft-tokens", str(self.max_draft_tokens),
+                "--max-draft-tokens", str(self.max_draft_tokens), "--cost-profile",
                 "--cuda-graphs" if self.cuda_graphs else "--no-cuda-graphs"]
 
 

@@ -20,7 +20,8 @@ from specdec.rpc import gateway_pb2
 
 def test_sigterm_drains_in_flight_requests_then_exits(checkpoints, start_cluster):
     target = checkpoints["llama-gqa"]
-    cluster = start_cluster(target, checkpoints["llama-gqa/draft"], hold=True)
+    cluster = start_cluster(target, checkpoints["llama-gqa/draft"], hold=True, extra=["--drain-seconds", "60"],
+                            gateway_extra=["--drain-seconds", "60"])
     stream, got = held_stream(cluster, "in-flight", 3, request([1, 17, 42], 20, "chain", k=3))
     for name in ("gateway", "verifier", "drafter"):
         cluster.procs[name].send_signal(signal.SIGTERM)

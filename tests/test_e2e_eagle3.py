@@ -63,7 +63,8 @@ def test_eagle3_under_auto_switching_shapes_every_step(checkpoints, head, start_
     end in mode off) and the output stays lossless."""
     target = checkpoints["llama-gqa"]
     cluster = start_cluster(target, target, verifier_extra=["--aux-hidden-layers", "1,2,3"],
-                            drafter_extra=["--eagle3-head", str(head)], gateway_extra=["--test-auto-cycle"])
+                            drafter_extra=["--eagle3-head", str(head)], gateway_extra=["--test-auto-cycle"],
+                            extra=["--cost-profile"])
     for prompt in PROMPTS:
         ids, final = cluster.generate(prompt, 32, "auto")
         assert ids == hf_greedy(target, prompt, 32)

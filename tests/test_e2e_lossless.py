@@ -109,7 +109,8 @@ def test_auto_switching_shapes_every_step_is_lossless(checkpoints, start_cluster
     for another shape and catching the drafter up after off steps. Alone and 12 at once (mixed with
     fixed-mode requests), every output equals HF's."""
     target = checkpoints["llama-gqa"]
-    cluster = start_cluster(target, target, gateway_extra=["--test-auto-cycle"])  # self-drafted: long accepts
+    cluster = start_cluster(target, target, extra=["--cost-profile"],  # self-drafted: long accepts
+                            gateway_extra=["--test-auto-cycle"])
     for prompt in PROMPTS:
         ids, final = cluster.generate(prompt, 64, "auto")
         assert ids == hf_greedy(target, prompt, 64)
@@ -128,7 +129,7 @@ def test_auto_switching_shapes_every_step_is_lossless(checkpoints, start_cluster
 def test_auto_is_the_default_mode_and_stays_lossless(checkpoints, start_cluster):
     """Requests that name no mode run auto (the real policy, with the services' cost profiles)."""
     target = checkpoints["llama-gqa"]
-    cluster = start_cluster(target, target)
+    cluster = start_cluster(target, target, extra=["--cost-profile"])
     assert cluster.info("verifier").step_costs and cluster.info("drafter").step_costs
     ids, final = cluster.generate(PROMPTS[2], 32, "default")
     assert ids == hf_greedy(target, PROMPTS[2], 32)

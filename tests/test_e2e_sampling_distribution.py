@@ -334,7 +334,7 @@ def test_auto_switching_shapes_follows_the_target_distribution(tiny, start_clust
     and without overlap, trees), so a request's tokens come from different rules step by step; the
     output still follows the exact distribution (T = 1, N = 3072 over tokens 1-3)."""
     target, draft = tiny
-    auto = start_cluster(target, draft, extra=["--max-sequences", "512"],
+    auto = start_cluster(target, draft, extra=["--max-sequences", "512", "--cost-profile"],
                          gateway_extra=["--max-queue", "4096", "--test-auto-cycle"])
     prompt, params, tokens, positions, n = [5, 5, 2], SamplingParams(1.0), 4, (1, 2, 3), 3072
     assert_chain_powerful(target, draft, prompt, params, 2, tokens, positions, n)
