@@ -259,15 +259,22 @@ def _hf(pair: ModelPair, prompt: list[int], a, dtype: str, state: SuiteState) ->
         state.record(row)
 
 
-def _smollm2_part(a, plan: Plan, work: Path, state: SuiteState) -> None:
-    from benchmarks.gateway_runs import Services
-    from benchmarks.models import chat_prompts
-
+def smollm2_pair(state: SuiteState) -> ModelPair | None:
+    """The embedded pair, or None (said, and recorded in the metadata) where it cannot be built."""
     with state.phase("smollm2 models"):
         pair, why = embedded_pair()
     if pair is None:
         state.meta["smollm2_skipped"] = f"the embedded SmolLM2 pair could not be built here ({why})"
         print(f"SmolLM2 part skipped: {why}", file=sys.stderr, flush=True)
+    return pair
+
+
+def _smollm2_part(a, plan: Plan, work: Path, state: SuiteState) -> None:
+    from benchmarks.gateway_runs import Services
+    from benchmarks.models import chat_prompts
+
+    pair = smollm2_pair(state)
+    if pair is None:
         return
     most = max(c.concurrency for c in plan.smollm2)
     prompts = chat_prompts(pair.target, most)

@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from benchmarks import sweep_report
 from benchmarks.grid import CONFIGS, _cells, _ordered
-from benchmarks.models import REPO, EngineSettings, chat_prompts, embedded_pair, random_pair, random_prompts
-from benchmarks.run import _gateway_cells, checkpoint_root, start_run
+from benchmarks.models import REPO, EngineSettings, chat_prompts, random_pair, random_prompts
+from benchmarks.run import _gateway_cells, checkpoint_root, smollm2_pair, start_run
 from benchmarks.suite_state import SuiteState
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 48, 64)
@@ -123,11 +123,8 @@ def _random_part(a, cells, dtype: str, work: Path, state: SuiteState) -> None:
 def _smollm2_part(a, cells, work: Path, state: SuiteState) -> None:
     from benchmarks.gateway_runs import Services
 
-    with state.phase("smollm2 models"):
-        pair, why = embedded_pair()
+    pair = smollm2_pair(state)
     if pair is None:
-        state.meta["smollm2_skipped"] = f"the embedded SmolLM2 pair could not be built here ({why})"
-        print(f"SmolLM2 part skipped: {why}", file=sys.stderr, flush=True)
         return
     most = max(c.concurrency for c in cells)
     prompts = chat_prompts(pair.target, most, heldout=True)
