@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import socket
@@ -19,10 +20,27 @@ from specdec.rpc import common_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_g
 START_TIMEOUT = 180.0
 
 
+# Test services listen below the kernel's ephemeral range (32768+), where no client socket or bind(0)
+# lands, each pytest-xdist worker in a block of its own: a port picked by asking the kernel for a free
+# one could be handed to the other worker before our service bound it, and a health check would then
+# reach the other worker's server.
+_PORT_BLOCK = 2000
+_worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+_next_port = itertools.count()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nobody listens on, from this worker's block."""
+    base = 20000 + (_worker % 6) * _PORT_BLOCK
+    for _ in range(_PORT_BLOCK):
+        port = base + next(_next_port) % _PORT_BLOCK
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {base}..{base + _PORT_BLOCK - 1}")
 
 
 def stop_all(procs, timeout: float) -> None:
