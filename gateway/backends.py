@@ -6,8 +6,8 @@ import asyncio
 
 import grpc
 
+from gateway.dialer import BackendDialer
 from specdec.rpc import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
-from specdec.serving import CHANNEL_OPTIONS
 
 
 class BackendLost(RuntimeError):
@@ -15,10 +15,10 @@ class BackendLost(RuntimeError):
 
 
 class StepStream:
-    def __init__(self, role: str, address: str) -> None:
+    def __init__(self, role: str, address: str, dialer: BackendDialer | None = None) -> None:
         self.role = role
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = (dialer or BackendDialer()).channel(address)
         stub_cls = verifier_pb2_grpc.VerifierStub if role == "verifier" else drafter_pb2_grpc.DrafterStub
         self.stub = stub_cls(self.channel)
         self.call = None

@@ -11,8 +11,8 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.dialer import BackendDialer
 from specdec.rpc import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
-from specdec.serving import CHANNEL_OPTIONS
 
 HEALTH_TIMEOUT = 2.0
 
@@ -24,12 +24,13 @@ class Replica:
     healthy: bool = False
     info: common_pb2.ServiceInfo | None = None
     load: int = 0                    # requests pinned to it right now
+    dialer: BackendDialer = field(default_factory=BackendDialer, repr=False)
     channel: grpc.aio.Channel | None = field(default=None, repr=False)
 
     async def probe(self) -> bool:
         """Health check, and the service info on first success; -> healthy."""
         if self.channel is None:
-            self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self.channel = self.dialer.channel(self.address)
         try:
             resp = await health_pb2_grpc.HealthStub(self.channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT)
@@ -54,9 +55,10 @@ def split_targets(spec: str) -> list[tuple[str, int]]:
     return out
 
 
-async def resolve(targets: list[tuple[str, int]]) -> set[str]:
+async def resolve(targets: list[tuple[str, int]]) -> dict[str, str]:
+    """-> {address: the host name it was resolved from}."""
     loop = asyncio.get_running_loop()
-    found: set[str] = set()
+    found: dict[str, str] = {}
     for host, port in targets:
         try:
             infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -64,13 +66,14 @@ async def resolve(targets: list[tuple[str, int]]) -> set[str]:
             continue  # not resolvable right now (a scaled-down service): try again next round
         for family, *_, sockaddr in infos:
             ip = sockaddr[0]
-            found.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
+            found[f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"] = host
     return found
 
 
 class ReplicaSet:
-    def __init__(self, role: str, spec: str) -> None:
+    def __init__(self, role: str, spec: str, dialer: BackendDialer | None = None) -> None:
         self.role = role
+        self.dialer = dialer or BackendDialer()
         self.targets = split_targets(spec)
         self.replicas: dict[str, Replica] = {}
         self.log = structlog.get_logger(service="gateway")
@@ -78,8 +81,9 @@ class ReplicaSet:
     async def refresh(self) -> None:
         """Re-resolve the names, then health-check every replica."""
         addresses = await resolve(self.targets)
-        for addr in addresses - self.replicas.keys():
-            self.replicas[addr] = Replica(self.role, addr)
+        for addr in addresses.keys() - self.replicas.keys():
+            self.dialer.found(addr, addresses[addr])
+            self.replicas[addr] = Replica(self.role, addr, dialer=self.dialer)
             self.log.info("replica found", role=self.role, address=addr)
         for addr in self.replicas.keys() - addresses:
             replica = self.replicas[addr]

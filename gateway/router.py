@@ -15,6 +15,7 @@ import structlog
 
 from gateway.auto.controller import AutoController
 from gateway.backends import StepStream
+from gateway.dialer import BackendDialer
 from gateway.hold import NO_HOLD, HoldGate
 from gateway.replicas import Replica, ReplicaSet
 from gateway.request import ActiveRequest, Mode
@@ -33,10 +34,11 @@ class QueueFull(RuntimeError):
 
 class Router:
     def __init__(self, verifier_spec: str, drafter_spec: str | None, max_queue: int, eos_ids: set[int],
-                 hold: HoldGate = NO_HOLD, auto_cycle: bool = False) -> None:
+                 hold: HoldGate = NO_HOLD, auto_cycle: bool = False, dialer: BackendDialer | None = None) -> None:
         self.auto_cycle = auto_cycle   # tests only (--test-auto-cycle)
-        self.verifiers = ReplicaSet("verifier", verifier_spec)
-        self.drafters = ReplicaSet("drafter", drafter_spec) if drafter_spec else None
+        self.dialer = dialer or BackendDialer()
+        self.verifiers = ReplicaSet("verifier", verifier_spec, self.dialer)
+        self.drafters = ReplicaSet("drafter", drafter_spec, self.dialer) if drafter_spec else None
         self.max_queue = max_queue
         self.eos_ids = eos_ids
         self.hold = hold
@@ -105,8 +107,9 @@ class Router:
     def _start_scheduler(self, replica: Replica) -> None:
         auto = AutoController(costs_from_info(replica.info), self._drafter_costs, replica.info.max_draft_tokens,
                               cycle=self.auto_cycle)
-        sched = Scheduler(StepStream("verifier", replica.address), replica.info.max_sequences, self.eos_ids,
-                          on_done=self._on_done, on_lost=self._on_lost, hold=self.hold, auto=auto)
+        sched = Scheduler(StepStream("verifier", replica.address, self.dialer), replica.info.max_sequences,
+                          self.eos_ids, on_done=self._on_done, on_lost=self._on_lost, hold=self.hold, auto=auto,
+                          dialer=self.dialer)
         self.schedulers[replica.address] = sched
         task = asyncio.get_running_loop().create_task(sched.run())
         self._tasks.add(task)

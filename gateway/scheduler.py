@@ -23,6 +23,7 @@ import structlog
 from gateway import metrics
 from gateway.auto.controller import AutoController, draft_family
 from gateway.backends import BackendLost, StepStream
+from gateway.dialer import BackendDialer
 from gateway.hold import NO_HOLD, POLL_SECONDS, HoldGate
 from gateway.request import ActiveRequest, Event, Mode
 from specdec.errors import ErrorCode
@@ -35,8 +36,10 @@ class Scheduler:
     def __init__(self, verifier: StepStream, max_sequences: int, eos_ids: set[int],
                  on_done: Callable[[ActiveRequest], None] = lambda r: None,
                  on_lost: Callable[[str, str], None] = lambda role, address: None,
-                 hold: HoldGate = NO_HOLD, auto: AutoController | None = None) -> None:
+                 hold: HoldGate = NO_HOLD, auto: AutoController | None = None,
+                 dialer: BackendDialer | None = None) -> None:
         self.verifier = verifier
+        self.dialer = dialer or BackendDialer()   # opens the streams to drafter replicas
         self.auto = auto            # `--mode auto`: plans each step's speculation, learns costs
         self.max_sequences = max_sequences
         self.eos_ids = eos_ids
@@ -179,7 +182,7 @@ class Scheduler:
             items.append(item)
         msg = drafter_pb2.DraftStepRequest(step=self.step_no * 2 + int(predraft), items=items,
                                            close=self.close_drafter.pop(address, []))
-        stream = self.drafters.get(address) or self.drafters.setdefault(address, StepStream("drafter", address))
+        stream = self.drafters.get(address) or self.drafters.setdefault(address, StepStream("drafter", address, self.dialer))
         try:
             resp, rtt = await timed(stream.step(msg))
         except BackendLost as exc:

@@ -7,6 +7,8 @@ import json
 
 from transformers import AutoTokenizer
 
+from gateway.auth import BearerTokenInterceptor, BearerTokens
+from gateway.dialer import BackendDialer
 from gateway.hold import HoldGate
 from gateway.router import Router
 from gateway.servicer import GatewayServicer
@@ -39,7 +41,7 @@ def run_gateway(cfg: GatewayConfig) -> None:
     async def on_start(state: ServingState) -> None:
         await state.set_serving(False)
         router = Router(cfg.verifier, cfg.drafter, cfg.max_queue, eos_ids(tokenizer, cfg.tokenizer_dir),
-                        HoldGate(cfg.test_hold_dir), cfg.test_auto_cycle)
+                        HoldGate(cfg.test_hold_dir), cfg.test_auto_cycle, BackendDialer(cfg.backend_tls))
         log.info("waiting for backends", verifier=cfg.verifier, drafter=cfg.drafter)
         await router.wait_ready(BACKEND_WAIT_SECONDS)
         max_context, max_draft_tokens, max_sequences = router.limits()
@@ -66,5 +68,10 @@ def run_gateway(cfg: GatewayConfig) -> None:
         router = servicer.router
         await wait_idle(lambda: router.load if router else 0, cfg.drain_seconds, log, "requests")
 
+    interceptors = [BearerTokenInterceptor(BearerTokens(cfg.auth_tokens_file, cfg.auth_tokens))] if cfg.auth else []
+    if not cfg.auth and not cfg.listen.startswith(("127.", "localhost", "[::1]")):
+        log.warning("no bearer-token authentication: anyone who reaches this port can generate "
+                    "(--auth-tokens-file or SPECDEC_AUTH_TOKENS turn it on)", listen=cfg.listen)
     run(serve(cfg.listen, lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s),
-              gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name, log, on_start, drain))
+              gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name, log, on_start, drain,
+              tls=cfg.tls, interceptors=interceptors, max_request_bytes=cfg.max_request_bytes))

@@ -7,7 +7,15 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from specdec.config import EngineServiceConfig, GatewayConfig, add_device_arguments, env, resolve_device
+from specdec.config import (
+    EngineServiceConfig,
+    GatewayConfig,
+    add_auth_arguments,
+    add_device_arguments,
+    resolve_device,
+)
+from specdec.env import env
+from specdec.security import add_client_tls_arguments, add_server_tls_arguments
 
 
 def default_models(target: str | None, draft: str | None) -> tuple[Path, Path]:
@@ -68,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="a child that dies is restarted; more than this many restarts within --restart-window "
                         "seconds is a crash loop and stops serve")
     s.add_argument("--restart-window", type=float, default=float(env("RESTART_WINDOW", "60")))
+    add_server_tls_arguments(s)
+    add_auth_arguments(s)
     s.add_argument("--batch-invariant", action="store_true", default=env("BATCH_INVARIANT", "0") not in ("0", "false", "no"),
                    help="verifier with batch-invariant kernels: every mode bit-identical to mode off in bf16 (slower)")
 
@@ -91,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     h = sub.add_parser("health", help="exit 0 if a service's gRPC health check says SERVING (container healthcheck)")
     h.add_argument("--address", default=env("HEALTH_ADDR", "127.0.0.1:50051"))
     h.add_argument("--timeout", type=float, default=3.0)
+    add_client_tls_arguments(h)
 
     args = p.parse_args(argv)
     if args.command == "serve":
@@ -117,8 +128,9 @@ def main(argv: list[str] | None = None) -> None:
         print_report(train_drafter(cfg), cfg.out)
     elif args.command == "health":
         from specdec.client import check_health
+        from specdec.security import client_tls_from_args
 
-        sys.exit(check_health(args.address, args.timeout))
+        sys.exit(check_health(args.address, args.timeout, client_tls_from_args(args), args.tls_server_name))
     elif args.command == "generate":
         from specdec.client import generate
 

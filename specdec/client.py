@@ -8,8 +8,9 @@ import sys
 
 import grpc
 
-from specdec.config import env
+from specdec.env import env
 from specdec.rpc import gateway_pb2, gateway_pb2_grpc
+from specdec.security import TlsConfig, add_client_tls_arguments, blocking_channel, client_tls_from_args
 
 MODES = {"default": gateway_pb2.SPEC_MODE_UNSPECIFIED, "auto": gateway_pb2.SPEC_MODE_AUTO,
          "chain": gateway_pb2.SPEC_MODE_CHAIN, "tree": gateway_pb2.SPEC_MODE_TREE, "off": gateway_pb2.SPEC_MODE_OFF}
@@ -18,6 +19,10 @@ MODES = {"default": gateway_pb2.SPEC_MODE_UNSPECIFIED, "auto": gateway_pb2.SPEC_
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", default=None, help="text prompt (tokenizer's special-token rules apply)")
     p.add_argument("--gateway", default=env("GATEWAY_ADDR", "127.0.0.1:50051"))
+    p.add_argument("--token", default=env("TOKEN"),
+                   help="bearer token for a gateway that requires one (env SPECDEC_TOKEN; prefer the env var: "
+                        "a flag shows in the process list)")
+    add_client_tls_arguments(p)
     p.add_argument("--token-ids", default=None, help="comma-separated prompt token ids, used exactly as given")
     p.add_argument("--mode", choices=list(MODES), default="default",
                    help="speculation mode (default: the gateway's --default-mode, auto unless configured)")
@@ -65,10 +70,11 @@ def generate(a: argparse.Namespace) -> int:
     ids: dict[int, list[int]] = {}
     text: dict[int, list[str]] = {}
     finals = {}
-    with grpc.insecure_channel(a.gateway) as channel:
+    metadata = (("authorization", f"Bearer {a.token}"),) if a.token else None
+    with blocking_channel(a.gateway, client_tls_from_args(a), a.tls_server_name) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         try:
-            for msg in stub.Generate(build_request(a), timeout=a.timeout):
+            for msg in stub.Generate(build_request(a), timeout=a.timeout, metadata=metadata):
                 i = msg.sample_index
                 ids.setdefault(i, []).extend(msg.token_ids)
                 text.setdefault(i, []).append(msg.text)
@@ -109,11 +115,11 @@ def summary(final, ids: list[int], text: str) -> dict:
     }
 
 
-def check_health(address: str, timeout: float) -> int:
+def check_health(address: str, timeout: float, tls: TlsConfig | None = None, server_name: str | None = None) -> int:
     """0 when the standard grpc.health.v1 Check answers SERVING, else 1 (with the reason on stderr)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with blocking_channel(address, tls, server_name) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.RpcError as exc:

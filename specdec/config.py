@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-
-def env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(f"SPECDEC_{name}", default)
+from specdec.env import env
+from specdec.security import (
+    TlsConfig,
+    add_backend_tls_arguments,
+    add_server_tls_arguments,
+    backend_tls_from_args,
+    server_tls_from_args,
+)
 
 
 REFERENCE_FORMAT = "specdec-controlled-acceptance/1"
@@ -68,6 +72,7 @@ class EngineServiceConfig:
     cost_profile: bool = True        # time engine steps at start-up for the gateway's --mode auto
     metrics_listen: str = ""         # Prometheus /metrics address (empty: none)
     drain_seconds: float = 25.0      # on SIGTERM: how long in-flight sequences may take to finish
+    tls: TlsConfig = TlsConfig()     # plaintext unless --tls-cert/--tls-key
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
@@ -90,6 +95,7 @@ class EngineServiceConfig:
                             "env SPECDEC_CUDA_GRAPHS=0 turns it off)")
         add_metrics_argument(p, key)
         add_drain_argument(p)
+        add_server_tls_arguments(p)
         p.add_argument("--cost-profile", action=argparse.BooleanOptionalAction,
                        default=env("COST_PROFILE", "1") not in ("0", "false", "no"),
                        help="time engine steps per batch size and shape at start-up and report them, for the "
@@ -135,7 +141,8 @@ class EngineServiceConfig:
         return cls(role, model_dir, a.listen, a.device, a.dtype, a.max_sequences, a.max_context,
                    a.max_draft_tokens, a.tp, a.cuda_graphs, controlled, getattr(a, "batch_invariant", False),
                    parse_layers(getattr(a, "aux_hidden_layers", "")),
-                   Path(a.eagle3_head) if getattr(a, "eagle3_head", None) else None, a.cost_profile, a.metrics_listen, a.drain_seconds)
+                   Path(a.eagle3_head) if getattr(a, "eagle3_head", None) else None, a.cost_profile, a.metrics_listen, a.drain_seconds,
+                   server_tls_from_args(a))
 
 
 def parse_layers(text: str) -> tuple[int, ...]:
@@ -149,6 +156,13 @@ def add_drain_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-seconds", type=float, default=float(env("DRAIN_SECONDS", "25")),
                    help="on SIGTERM/SIGINT: stop admitting, give in-flight work this long to finish, then exit "
                         "(env SPECDEC_DRAIN_SECONDS; keep it below compose's stop_grace_period, 30 s)")
+
+
+def add_auth_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--auth-tokens-file", default=env("AUTH_TOKENS_FILE"), metavar="FILE",
+                   help="require 'authorization: Bearer <token>' on every call but health checks; tokens one per "
+                        "line, re-read when the file changes (env SPECDEC_AUTH_TOKENS_FILE; SPECDEC_AUTH_TOKENS takes "
+                        "comma-separated tokens too; default: no authentication)")
 
 
 def add_metrics_argument(p: argparse.ArgumentParser, key: str) -> None:
@@ -191,6 +205,15 @@ class GatewayConfig:
     metrics_listen: str = ""        # Prometheus /metrics address (empty: none)
     drain_seconds: float = 25.0     # on SIGTERM: how long in-flight requests may take to finish
     test_auto_cycle: bool = False   # tests only: auto cycles through its choices step by step
+    tls: TlsConfig = TlsConfig()           # the public port: plaintext unless --tls-cert/--tls-key
+    backend_tls: TlsConfig = TlsConfig()   # links to verifiers and drafters: plaintext unless --backend-tls-ca
+    auth_tokens_file: Path | None = None   # bearer tokens, one per line (re-read when it changes)
+    auth_tokens: tuple[str, ...] = ()      # bearer tokens from SPECDEC_AUTH_TOKENS
+    max_request_bytes: int = 4 * 1024 * 1024  # larger requests: RESOURCE_EXHAUSTED
+
+    @property
+    def auth(self) -> bool:
+        return self.auth_tokens_file is not None or bool(self.auth_tokens)
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -214,6 +237,12 @@ class GatewayConfig:
                             "measured acceptance and step costs; see README)")
         add_metrics_argument(p, "GATEWAY")
         add_drain_argument(p)
+        add_server_tls_arguments(p)
+        add_backend_tls_arguments(p)
+        add_auth_arguments(p)
+        p.add_argument("--max-request-bytes", type=int, default=int(env("MAX_REQUEST_BYTES", str(4 * 1024 * 1024))),
+                       help="largest GenerateRequest accepted, in bytes; larger ones get RESOURCE_EXHAUSTED "
+                            "(env SPECDEC_MAX_REQUEST_BYTES; default 4 MiB)")
         p.add_argument("--max-n", type=int, default=int(env("MAX_N", "64")),
                        help="most samples (Sampling.n) one request may ask for (env SPECDEC_MAX_N); also capped "
                             "by the verifier's KV slots")
@@ -231,7 +260,13 @@ class GatewayConfig:
     @classmethod
     def from_args(cls, a: argparse.Namespace, tokenizer_dir: Path) -> GatewayConfig:
         drafter = None if (a.drafter or "none").lower() == "none" else a.drafter
+        if a.max_request_bytes < 1024:
+            raise SystemExit(f"--max-request-bytes {a.max_request_bytes} is too small: at least 1024")
         return cls(a.listen, a.verifier, drafter, tokenizer_dir, a.max_queue, a.max_new_tokens,
                    a.k, a.topk, a.depth, a.budget, a.resolve_interval,
                    Path(a.test_hold_dir) if a.test_hold_dir else None, default_mode=a.default_mode,
-                   max_n=a.max_n, metrics_listen=a.metrics_listen, drain_seconds=a.drain_seconds, test_auto_cycle=a.test_auto_cycle)
+                   max_n=a.max_n, metrics_listen=a.metrics_listen, drain_seconds=a.drain_seconds, test_auto_cycle=a.test_auto_cycle,
+                   tls=server_tls_from_args(a), backend_tls=backend_tls_from_args(a),
+                   auth_tokens_file=Path(a.auth_tokens_file) if a.auth_tokens_file else None,
+                   auth_tokens=tuple(t.strip() for t in (env("AUTH_TOKENS") or "").split(",") if t.strip()),
+                   max_request_bytes=a.max_request_bytes)

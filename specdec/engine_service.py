@@ -106,7 +106,8 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
         cfg.role.capitalize()].full_name
     try:
         run(serve(cfg.listen, register, service, log, on_start,
-                  drain=lambda: wait_idle(lambda: len(engine.table), cfg.drain_seconds, log, "sequences")))
+                  drain=lambda: wait_idle(lambda: len(engine.table), cfg.drain_seconds, log, "sequences"),
+                  tls=cfg.tls))
     finally:
         if runner is not None:
             executor.submit(runner.shutdown).result()

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from specdec.security import server_tls_from_args
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -24,6 +26,7 @@ def free_port() -> int:
 
 
 def serve_all(args, target: Path, draft: Path, eagle3_head: Path | None) -> int:
+    server_tls_from_args(args)   # bad TLS flags: say so now, not as a gateway crash loop
     verifier_addr = f"127.0.0.1:{free_port()}"
     drafter_addr = f"127.0.0.1:{free_port()}"
     base = [sys.executable, "-m", "specdec.cli"]
@@ -37,17 +40,26 @@ def serve_all(args, target: Path, draft: Path, eagle3_head: Path | None) -> int:
         layers = head_aux_layers(eagle3_head, target)
         verifier_flags += ["--aux-hidden-layers", ",".join(map(str, layers))]
         drafter_flags = ["--model", str(target), "--eagle3-head", str(eagle3_head)]
-    children: list[tuple[str, list[str], str | None]] = [
+    # The engines listen on loopback only and the gateway dials them in plaintext: TLS settings
+    # (flags or SPECDEC_TLS_* in our environment) are for the gateway's public port.
+    plain = dict.fromkeys(("SPECDEC_TLS_CERT", "SPECDEC_TLS_KEY", "SPECDEC_TLS_CA"))
+    children: list[tuple[str, list[str], dict[str, str | None]]] = [
         ("verifier", [*base, "verifier", "--model", str(target), "--listen", verifier_addr, *device, *limits,
-                      "--tp", str(args.tp), *verifier_flags], args.verifier_gpus),
+                      "--tp", str(args.tp), *verifier_flags], {**plain, **gpus(args.verifier_gpus)}),
     ]
     if not args.no_drafter:
         children.append(("drafter", [*base, "drafter", *drafter_flags, "--listen", drafter_addr, *device, *limits],
-                         args.drafter_gpus))
+                         {**plain, **gpus(args.drafter_gpus)}))
+    public = [f"--{flag.replace('_', '-')}={value}" for flag in ("tls_cert", "tls_key", "tls_ca", "auth_tokens_file")
+              if (value := getattr(args, flag))]
     children.append(("gateway", [*base, "gateway", "--listen", args.listen, "--verifier", verifier_addr,
-                                 "--drafter", "none" if args.no_drafter else drafter_addr, "--target", str(target)],
-                     None))
+                                 "--drafter", "none" if args.no_drafter else drafter_addr, "--target", str(target),
+                                 *public], {}))
     return Supervisor(children, args.max_restarts, args.restart_window).run()
+
+
+def gpus(ids: str | None) -> dict[str, str]:
+    return {} if ids is None else {"CUDA_VISIBLE_DEVICES": ids}
 
 
 class Supervisor:
@@ -57,8 +69,10 @@ class Supervisor:
     on SIGINT/SIGTERM (each child drains) or when a child crash-loops (more than `max_restarts`
     restarts within `window` seconds), and says which."""
 
-    def __init__(self, children: list[tuple[str, list[str], str | None]], max_restarts: int, window: float) -> None:
-        self.children = {name: (cmd, gpus) for name, cmd, gpus in children}
+    def __init__(self, children: list[tuple[str, list[str], dict[str, str | None]]], max_restarts: int,
+                 window: float) -> None:
+        """children: (name, command, environment changes: a None value removes the variable)."""
+        self.children = {name: (cmd, env) for name, cmd, env in children}
         self.max_restarts, self.window = max_restarts, window
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, list[float]] = {name: [] for name in self.children}
@@ -66,10 +80,9 @@ class Supervisor:
         self.signal: str | None = None
 
     def _start(self, name: str) -> None:
-        cmd, gpus = self.children[name]
-        env = dict(os.environ)
-        if gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpus
+        cmd, changes = self.children[name]
+        env = {**os.environ, **changes}
+        env = {key: value for key, value in env.items() if value is not None}
         # Own process group: a terminal's Ctrl-C reaches us once, and we stop the children in order.
         self.procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True)
         say(f"{name} started (pid {self.procs[name].pid})")

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from specdec.security import TlsConfig
 
 # Room for long prompts and, later, hidden-state payloads (EAGLE-3: ~24 KiB per token).
 MESSAGE_LIMIT = 256 * 1024 * 1024
@@ -41,16 +43,25 @@ async def serve(
     log,
     on_start: Callable[[ServingState], Awaitable[None]] | None = None,
     drain: Callable[[], Awaitable[None]] | None = None,
+    tls: TlsConfig | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    max_request_bytes: int | None = None,
 ) -> None:
     """service: the full name of the service `register` adds (listed by reflection); drain: awaited
-    after a stop signal, before the server stops (it bounds its own wait)."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    after a stop signal, before the server stops (it bounds its own wait); tls: plaintext if None;
+    max_request_bytes: larger incoming messages end RESOURCE_EXHAUSTED (default MESSAGE_LIMIT)."""
+    options = dict(CHANNEL_OPTIONS)
+    if max_request_bytes is not None:
+        options["grpc.max_receive_message_length"] = max_request_bytes
+    server = grpc.aio.server(options=list(options.items()), interceptors=list(interceptors))
     register(server)
     state = ServingState()
     health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     reflection.enable_server_reflection([service, health_name, reflection.SERVICE_NAME], server)
-    if server.add_insecure_port(listen) == 0:
+    credentials = tls.server_credentials() if tls is not None else None
+    bound = server.add_secure_port(listen, credentials) if credentials else server.add_insecure_port(listen)
+    if bound == 0:
         raise SystemExit(f"cannot listen on {listen}")
     await server.start()
     stop = asyncio.Event()
@@ -61,7 +72,7 @@ async def serve(
         await on_start(state)
     else:
         await state.set_serving(True)
-    log.info("listening", address=listen)
+    log.info("listening", address=listen, tls="off" if credentials is None else "mtls" if tls.ca else "on")
     await stop.wait()
     log.info("draining: not admitting new work")
     state.stopping = True

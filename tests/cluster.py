@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,10 +24,11 @@ START_TIMEOUT = 180.0
 # Test services listen below the kernel's ephemeral range (32768+), where no client socket or bind(0)
 # lands, each pytest-xdist worker in a block of its own: a port picked by asking the kernel for a free
 # one could be handed to the other worker before our service bound it, and a health check would then
-# reach the other worker's server.
+# reach the other worker's server. A random start in the block keeps two test sessions run side by
+# side (by hand) from walking the same ports in step.
 _PORT_BLOCK = 2000
 _worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-_next_port = itertools.count()
+_next_port = itertools.count(random.randrange(_PORT_BLOCK))
 
 
 def free_port() -> int:
@@ -55,9 +57,11 @@ def stop_all(procs, timeout: float) -> None:
             proc.kill()
 
 
-def wait_serving(address: str, timeout: float = START_TIMEOUT, proc: subprocess.Popen | None = None) -> None:
+def wait_serving(address: str, timeout: float = START_TIMEOUT, proc: subprocess.Popen | None = None,
+                 channel=grpc.insecure_channel) -> None:
+    """channel: opens the channel to `address` (a TLS one for services that serve TLS)."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
+    with channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
@@ -79,7 +83,14 @@ class Cluster:
                  log_dir: Path | None = None, extra: list[str] | None = None,
                  verifier_extra: list[str] | None = None, verifiers: int = 1, drafters: int = 1,
                  drafter_extra: list[str] | None = None,
-                 gateway_extra: list[str] | None = None, hold: bool = False) -> None:
+                 gateway_extra: list[str] | None = None, hold: bool = False,
+                 credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None,
+                 token: str | None = None, backend_host: str = "127.0.0.1") -> None:
+        """credentials (and the name the certificates carry, server_name): how the test talks to
+        services that serve TLS; token: the bearer token sent with the test's Generate calls;
+        backend_host: the name the gateway is given for its backends (they listen on 127.0.0.1)."""
+        self.credentials, self.server_name = credentials, server_name
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         base = [sys.executable, "-m", "specdec.cli"]
         dev = ["--device", device, "--dtype", dtype, *(extra or [])]
         names = {"verifier": [replica_name("verifier", i) for i in range(verifiers)],
@@ -96,8 +107,9 @@ class Cluster:
         self.hold_dir = Path(tempfile.mkdtemp(prefix="specdec-hold-")) if hold else None
         self.commands["gateway"] = [
             *base, "gateway", "--listen", self.addr["gateway"], "--target", str(target),
-            "--verifier", ",".join(self.addr[n] for n in names["verifier"]),
-            "--drafter", ",".join(self.addr[n] for n in names["drafter"]) or "none", *(gateway_extra or []),
+            "--verifier", ",".join(self.addr[n].replace("127.0.0.1", backend_host) for n in names["verifier"]),
+            "--drafter", ",".join(self.addr[n].replace("127.0.0.1", backend_host) for n in names["drafter"]) or "none",
+            *(gateway_extra or []),
             *(["--test-hold-dir", str(self.hold_dir)] if hold else []),
         ]
         self.log_dir = log_dir
@@ -107,12 +119,18 @@ class Cluster:
         for name in self.commands:  # backends first, the gateway last
             if name == "gateway":  # like compose's depends_on: service_healthy
                 for backend, proc in self.procs.items():
-                    wait_serving(self.addr[backend], proc=proc)
+                    wait_serving(self.addr[backend], proc=proc, channel=self.open_channel)
             self._spawn(name)
-        wait_serving(self.addr["gateway"], proc=self.procs["gateway"])
-        self.channel = grpc.insecure_channel(self.addr["gateway"])
+        wait_serving(self.addr["gateway"], proc=self.procs["gateway"], channel=self.open_channel)
+        self.channel = self.open_channel(self.addr["gateway"])
         self.gateway = gateway_pb2_grpc.GatewayStub(self.channel)
         return self
+
+    def open_channel(self, address: str) -> grpc.Channel:
+        if self.credentials is None:
+            return grpc.insecure_channel(address)
+        options = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+        return grpc.secure_channel(address, self.credentials, options=options)
 
     def hold(self, request_id: str, after_tokens: int) -> None:
         """Every sample of `request_id` stops advancing once it has generated `after_tokens`."""
@@ -129,7 +147,7 @@ class Cluster:
     def restart(self, name: str) -> None:
         """Start a killed service again on its address; returns once it is SERVING."""
         self._spawn(name)
-        wait_serving(self.addr[name], proc=self.procs[name])
+        wait_serving(self.addr[name], proc=self.procs[name], channel=self.open_channel)
 
     def kill(self, name: str) -> None:
         self.procs[name].send_signal(signal.SIGKILL)
@@ -140,7 +158,7 @@ class Cluster:
 
     def info(self, name: str) -> common_pb2.ServiceInfo:
         stub_cls = verifier_pb2_grpc.VerifierStub if name.startswith("verifier") else drafter_pb2_grpc.DrafterStub
-        with grpc.insecure_channel(self.addr[name]) as ch:
+        with self.open_channel(self.addr[name]) as ch:
             return stub_cls(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=10)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, mode: str = "chain", timeout: float = 120,
@@ -151,7 +169,7 @@ class Cluster:
             req.sampling.CopyFrom(gateway_pb2.Sampling(**sampling))
         ids: list[int] = []
         final = None
-        for msg in self.gateway.Generate(req, timeout=timeout):
+        for msg in self.gateway.Generate(req, timeout=timeout, metadata=self.metadata):
             ids += msg.token_ids
             if msg.HasField("final"):
                 final = msg.final
