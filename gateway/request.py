@@ -102,6 +102,7 @@ class ActiveRequest:
     stats: Stats = field(default_factory=Stats)
     cancelled: bool = False
     finished: bool = False
+    opening: bool = False                       # admitted; the verdict of its prefill is due
 
     def __post_init__(self) -> None:
         if self.settings is None:

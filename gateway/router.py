@@ -4,6 +4,12 @@ Each healthy verifier replica gets its own Scheduler (batched step loop). A requ
 for its lifetime to the least-loaded healthy verifier and the least-loaded healthy drafter
 (their KV caches hold its state). Replica sets are re-resolved and health-checked periodically;
 a replica whose stream breaks is marked down at once and used again once healthy.
+
+When no verifier is healthy, requests wait (parked) up to `backend_wait` seconds for one instead
+of failing at once; the requests of a verifier that is lost mid-stream wait the same way and then
+resume on whichever verifier is healthy, from their committed tokens (the new verifier prefills
+prompt + output so far), so a failover changes no token. Only when the wait runs out do they end
+UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -18,10 +24,13 @@ from gateway.backends import StepStream
 from gateway.dialer import BackendDialer
 from gateway.hold import NO_HOLD, HoldGate
 from gateway.replicas import Replica, ReplicaSet
-from gateway.request import ActiveRequest, Mode
+from gateway.request import ActiveRequest, Event, Mode
 from gateway.scheduler import Scheduler, wait_at_most
 from specdec.cost_profile import StepCost
 from specdec.rpc.convert import costs_from_info
+
+
+PARKED_POLL = 0.25   # seconds between looks for a verifier while requests wait for one
 
 
 class NoBackend(RuntimeError):
@@ -34,7 +43,8 @@ class QueueFull(RuntimeError):
 
 class Router:
     def __init__(self, verifier_spec: str, drafter_spec: str | None, max_queue: int, eos_ids: set[int],
-                 hold: HoldGate = NO_HOLD, auto_cycle: bool = False, dialer: BackendDialer | None = None) -> None:
+                 hold: HoldGate = NO_HOLD, auto_cycle: bool = False, dialer: BackendDialer | None = None,
+                 backend_wait: float = 10.0) -> None:
         self.auto_cycle = auto_cycle   # tests only (--test-auto-cycle)
         self.dialer = dialer or BackendDialer()
         self.verifiers = ReplicaSet("verifier", verifier_spec, self.dialer)
@@ -48,6 +58,9 @@ class Router:
         self._lost = asyncio.Event()  # a scheduler saw a replica's stream break: re-check now
         self.log = structlog.get_logger(service="gateway")
         self._warned_pairs: set[tuple[str, str]] = set()  # (drafter, verifier) whose layers disagree
+        self.backend_wait = backend_wait
+        # Groups of samples waiting for a healthy verifier, each with its deadline (loop time).
+        self.parked: list[tuple[list[ActiveRequest], float]] = []
 
     async def wait_ready(self, timeout: float, poll: float = 0.5) -> None:
         """Until one verifier (and, if configured, one drafter) answers SERVING."""
@@ -77,8 +90,8 @@ class Router:
 
     @property
     def load(self) -> int:
-        """Requests admitted or waiting, over all verifiers."""
-        return sum(s.load for s in self.schedulers.values())
+        """Requests admitted or waiting, over all verifiers, and those waiting for one."""
+        return sum(s.load for s in self.schedulers.values()) + sum(len(g) for g, _ in self.parked)
 
     @property
     def can_serve(self) -> bool:
@@ -89,12 +102,14 @@ class Router:
         """Re-resolve and health-check every `interval` seconds, at once after a replica was
         lost, and report whether a request can be served now."""
         while True:
-            await wait_at_most(self._lost, interval)
+            # Parked requests: look for a verifier often (their wait is bounded).
+            await wait_at_most(self._lost, min(interval, PARKED_POLL) if self.parked else interval)
             self._lost.clear()
             try:
                 await self.refresh()
             except Exception:  # keep routing with what we know
                 self.log.exception("replica refresh failed")
+            self._unpark()
             await report(self.can_serve)
 
     def limits(self) -> tuple[int, int, int]:
@@ -109,7 +124,7 @@ class Router:
                               cycle=self.auto_cycle)
         sched = Scheduler(StepStream("verifier", replica.address, self.dialer), replica.info.max_sequences,
                           self.eos_ids, on_done=self._on_done, on_lost=self._on_lost, hold=self.hold, auto=auto,
-                          dialer=self.dialer)
+                          dialer=self.dialer, on_orphans=self._on_orphans)
         self.schedulers[replica.address] = sched
         task = asyncio.get_running_loop().create_task(sched.run())
         self._tasks.add(task)
@@ -121,14 +136,33 @@ class Router:
                 return costs_from_info(d.info)
         return []
 
-    def submit(self, samples: list[ActiveRequest]) -> Scheduler:
-        """Pin a request's samples to one verifier (they share its prefill) and each to a drafter."""
-        candidates = [self.schedulers[v.address] for v in self.verifiers.healthy() if v.address in self.schedulers]
+    def submit(self, samples: list[ActiveRequest]) -> None:
+        """Pin a request's samples to one verifier (they share its prefill) and each to a drafter;
+        with no verifier healthy, park them for up to `backend_wait` seconds."""
+        candidates = self._candidates()
         if not candidates:
-            raise NoBackend("no verifier replica is available; retry later")
+            if self.backend_wait <= 0:
+                raise NoBackend("no verifier replica is available; retry later")
+            if sum(len(g) for g, _ in self.parked) + len(samples) > self.max_queue:
+                raise QueueFull(f"{self.max_queue} requests already wait for a verifier; retry later")
+            self._park(samples)
+            return
         sched = min(candidates, key=lambda s: s.load)
         if len(sched.pending) + len(samples) > self.max_queue:
             raise QueueFull(f"{len(sched.pending)} requests are already waiting; retry later")
+        self._place(samples, sched)
+
+    def cancel(self, r: ActiveRequest) -> None:
+        """The client went away: free the sample wherever it is now."""
+        r.cancelled = True
+        sched = self.schedulers.get(r.verifier)
+        if sched is not None:
+            sched.cancel(r)
+
+    def _candidates(self) -> list[Scheduler]:
+        return [self.schedulers[v.address] for v in self.verifiers.healthy() if v.address in self.schedulers]
+
+    def _place(self, samples: list[ActiveRequest], sched: Scheduler) -> None:
         verifier = self.verifiers.replicas[sched.verifier.address]
         for r in samples:
             drafter = None
@@ -136,11 +170,50 @@ class Router:
                 drafter = self.drafters.least_loaded(lambda d: self._pairs_with(d, verifier))
             r.verifier = sched.verifier.address
             r.drafter = drafter.address if drafter else None
-            self.verifiers.replicas[r.verifier].load += 1
+            verifier.load += 1
             if drafter:
                 drafter.load += 1
             sched.submit(r)
-        return sched
+
+    def _park(self, samples: list[ActiveRequest]) -> None:
+        for r in samples:
+            r.verifier, r.drafter = "", None
+        self.parked.append((samples, asyncio.get_running_loop().time() + self.backend_wait))
+        self._lost.set()   # the refresh loop looks for a verifier at once, then every PARKED_POLL
+
+    def _on_orphans(self, samples: list[ActiveRequest]) -> None:
+        """A scheduler lost its verifier: its requests wait for another (or the same, back)."""
+        live = [r for r in samples if not r.cancelled]
+        if not live:
+            return
+        if self.backend_wait <= 0:
+            self._fail(live, "the verifier became unavailable and --backend-wait-seconds is 0")
+            return
+        self.log.warning("requests wait for a verifier to resume on", requests=len(live),
+                         wait_seconds=self.backend_wait)
+        self._park(live)
+
+    def _unpark(self) -> None:
+        now = asyncio.get_running_loop().time()
+        waiting, self.parked = self.parked, []
+        for samples, deadline in waiting:
+            samples = [r for r in samples if not r.cancelled]
+            candidates = self._candidates()
+            if not samples:
+                continue
+            if candidates:
+                self._place(samples, min(candidates, key=lambda s: s.load))
+            elif now >= deadline:
+                self._fail(samples, f"no verifier replica became available within {self.backend_wait:g} s; "
+                                    "retry later")
+            else:
+                self.parked.append((samples, deadline))
+
+    @staticmethod
+    def _fail(samples: list[ActiveRequest], message: str) -> None:
+        for r in samples:
+            r.finished = True
+            r.events.put_nowait(Event(r.sample_index, error=("UNAVAILABLE", message)))
 
     def _pairs_with(self, drafter: Replica, verifier: Replica) -> bool:
         """An EAGLE-3 drafter only with a verifier that sends the hidden-state layers it needs."""

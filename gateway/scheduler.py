@@ -14,6 +14,7 @@ each step's counts and time split go to the metrics (gateway/metrics.py).
 from __future__ import annotations
 
 import asyncio
+import uuid
 import time
 from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable
@@ -37,7 +38,8 @@ class Scheduler:
                  on_done: Callable[[ActiveRequest], None] = lambda r: None,
                  on_lost: Callable[[str, str], None] = lambda role, address: None,
                  hold: HoldGate = NO_HOLD, auto: AutoController | None = None,
-                 dialer: BackendDialer | None = None) -> None:
+                 dialer: BackendDialer | None = None,
+                 on_orphans: Callable[[list[ActiveRequest]], None] | None = None) -> None:
         self.verifier = verifier
         self.dialer = dialer or BackendDialer()   # opens the streams to drafter replicas
         self.auto = auto            # `--mode auto`: plans each step's speculation, learns costs
@@ -45,6 +47,7 @@ class Scheduler:
         self.eos_ids = eos_ids
         self.on_done = on_done      # a request left this scheduler (router bookkeeping)
         self.on_lost = on_lost      # a backend stream broke (router marks the replica down)
+        self.on_orphans = on_orphans  # the verifier was lost: these requests resume elsewhere (None: they fail)
         self.hold = hold            # test-only: requests held at a token count
         self.drafters: dict[str, StepStream] = {}  # this scheduler's stream to each drafter replica
         self.pending: deque[ActiveRequest] = deque()
@@ -84,10 +87,14 @@ class Scheduler:
             try:
                 await self._step()
             except BackendLost as exc:
-                self.log.error("verifier lost; failing its requests", error=str(exc))
                 self.verifier.reset()
                 self.on_lost("verifier", self.verifier.address)
-                self._fail_all("UNAVAILABLE", f"the verifier became unavailable: {exc}")
+                if self.on_orphans is None:
+                    self.log.error("verifier lost; failing its requests", error=str(exc))
+                    self._fail_all("UNAVAILABLE", f"the verifier became unavailable: {exc}")
+                else:
+                    self.log.error("verifier lost; its requests resume on another", error=str(exc))
+                    self.on_orphans(self._release_all())
             except Exception as exc:  # a bug: fail loudly, keep serving
                 self.log.exception("step failed")
                 self.verifier.reset()
@@ -144,7 +151,9 @@ class Scheduler:
             if r.cancelled:
                 self.on_done(r)
                 continue
-            r.tokens = list(r.req.prompt_ids)
+            if not r.tokens:   # (a request resumed from a lost verifier keeps its committed tokens)
+                r.tokens = list(r.req.prompt_ids)
+            r.opening = True
             self.active[r.seq_id] = r
             opens.append(r)
         return opens
@@ -239,7 +248,9 @@ class Scheduler:
                 continue
             if v.HasField("hidden_states") and r.speculates:
                 r.hidden_rows.append(v.hidden_states)
-            if len(r.tokens) > len(r.req.prompt_ids):  # a verify step, not the prefill
+            if r.opening:   # the prefill's verdict: the first token, no draft
+                r.opening = False
+            else:
                 self._count_step(r, accepted, v.accepted_drafts)
             self._emit(r, accepted)
 
@@ -306,12 +317,22 @@ class Scheduler:
         r.events.put_nowait(Event(r.sample_index, error=(status, message)))
 
     def _fail_all(self, status: str, message: str) -> None:
-        for r in list(self.active.values()) + list(self.pending):
-            if self.auto is not None:
-                self.auto.forget(r)
+        for r in self._release_all():
             r.finished = True
             r.events.put_nowait(Event(r.sample_index, error=(status, message)))
+
+    def _release_all(self) -> list[ActiveRequest]:
+        """Every request leaves this scheduler; -> them, reset to resume on a new verifier and
+        drafter from their committed tokens (under a new sequence id: the old one may still be
+        closing on the drafter)."""
+        released = list(self.active.values()) + list(self.pending)
+        for r in released:
+            if self.auto is not None:
+                self.auto.forget(r)
             self.on_done(r)
+            r.seq_id, r.prefill_leader = uuid.uuid4().hex, ""
+            r.draft = r.predraft = None
+            r.drafter_len, r.hidden_rows = 0, []
         self.active.clear()
         self.pending.clear()
         # Both ends free these sequences when their streams end: reset instead of closing one by one.
@@ -319,6 +340,7 @@ class Scheduler:
         self.close_drafter.clear()
         for stream in self.drafters.values():
             stream.reset()
+        return released
 
 
 def concat_payloads(parts: list[common_pb2.TensorPayload]) -> common_pb2.TensorPayload:

@@ -41,7 +41,8 @@ def run_gateway(cfg: GatewayConfig) -> None:
     async def on_start(state: ServingState) -> None:
         await state.set_serving(False)
         router = Router(cfg.verifier, cfg.drafter, cfg.max_queue, eos_ids(tokenizer, cfg.tokenizer_dir),
-                        HoldGate(cfg.test_hold_dir), cfg.test_auto_cycle, BackendDialer(cfg.backend_tls))
+                        HoldGate(cfg.test_hold_dir), cfg.test_auto_cycle, BackendDialer(cfg.backend_tls),
+                        cfg.backend_wait_seconds)
         log.info("waiting for backends", verifier=cfg.verifier, drafter=cfg.drafter)
         await router.wait_ready(BACKEND_WAIT_SECONDS)
         max_context, max_draft_tokens, max_sequences = router.limits()

@@ -79,7 +79,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         samples = self._samples(req)
         log = self.log.bind(request_id=req.request_id, seq_id=samples[0].seq_id)
         try:
-            scheduler = self.router.submit(samples)
+            self.router.submit(samples)
         except QueueFull as exc:
             raise AbortedRequest("RESOURCE_EXHAUSTED", str(exc)) from None
         except NoBackend as exc:
@@ -115,7 +115,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         finally:
             for r in samples:
                 if not r.finished:  # client cancel, deadline or a failed sibling: free it everywhere
-                    scheduler.cancel(r)
+                    self.router.cancel(r)
 
     @staticmethod
     def _final(r: ActiveRequest, reason: str) -> gateway_pb2.FinalInfo:

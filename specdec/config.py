@@ -210,6 +210,7 @@ class GatewayConfig:
     auth_tokens_file: Path | None = None   # bearer tokens, one per line (re-read when it changes)
     auth_tokens: tuple[str, ...] = ()      # bearer tokens from SPECDEC_AUTH_TOKENS
     max_request_bytes: int = 4 * 1024 * 1024  # larger requests: RESOURCE_EXHAUSTED
+    backend_wait_seconds: float = 10.0     # how long requests wait for a healthy verifier before UNAVAILABLE
 
     @property
     def auth(self) -> bool:
@@ -240,6 +241,10 @@ class GatewayConfig:
         add_server_tls_arguments(p)
         add_backend_tls_arguments(p)
         add_auth_arguments(p)
+        p.add_argument("--backend-wait-seconds", type=float, default=float(env("BACKEND_WAIT_SECONDS", "10")),
+                       help="while no verifier replica is healthy (restarting, reconnecting), requests wait this "
+                            "long for one, and those of a lost verifier resume on the next healthy one from their "
+                            "committed tokens; then UNAVAILABLE (env SPECDEC_BACKEND_WAIT_SECONDS; 0: at once)")
         p.add_argument("--max-request-bytes", type=int, default=int(env("MAX_REQUEST_BYTES", str(4 * 1024 * 1024))),
                        help="largest GenerateRequest accepted, in bytes; larger ones get RESOURCE_EXHAUSTED "
                             "(env SPECDEC_MAX_REQUEST_BYTES; default 4 MiB)")
@@ -269,4 +274,4 @@ class GatewayConfig:
                    tls=server_tls_from_args(a), backend_tls=backend_tls_from_args(a),
                    auth_tokens_file=Path(a.auth_tokens_file) if a.auth_tokens_file else None,
                    auth_tokens=tuple(t.strip() for t in (env("AUTH_TOKENS") or "").split(",") if t.strip()),
-                   max_request_bytes=a.max_request_bytes)
+                   max_request_bytes=a.max_request_bytes, backend_wait_seconds=a.backend_wait_seconds)

@@ -35,19 +35,21 @@ class StepStreamServicer:
         raise NotImplementedError
 
     async def Step(self, request_iterator, context: grpc.aio.ServicerContext):
-        loop = asyncio.get_running_loop()
         owned: set[str] = set()
+        in_flight = None   # (request, executor future) of the step running now
         self.open_streams += 1
         ENGINE_STREAMS.labels(self.info.role).set(self.open_streams)
         try:
             async for msg in request_iterator:
                 req = self.step_from_proto(msg)
                 owned -= set(req.close)
+                in_flight = (req, self.executor.submit(self._timed_step, req))
                 try:
-                    res, seconds = await loop.run_in_executor(self.executor, self._timed_step, req)
+                    res, seconds = await asyncio.wrap_future(in_flight[1])
                 except Exception as exc:  # a bug, not bad input: end this stream loudly
                     self.log.exception("step failed", step=req.step)
                     await context.abort(grpc.StatusCode.INTERNAL, f"{self.info.role} step failed: {exc}")
+                in_flight = None
                 owned |= self.held_after(req, res)
                 self.metrics.after_step(seconds)
                 msg = self.result_to_proto(res)
@@ -56,10 +58,23 @@ class StepStreamServicer:
         finally:
             self.open_streams -= 1
             ENGINE_STREAMS.labels(self.info.role).set(self.open_streams)
-            if owned:
-                self.log.info("stream ended; freeing its sequences", count=len(owned))
-                await loop.run_in_executor(self.executor, self.engine.close, sorted(owned))
-                self.metrics.refresh()
+            if owned or in_flight:
+                # Queued behind any step still running (one engine thread), and not awaited: a
+                # stream cancelled mid-step must still free what that step opened, and a second
+                # cancellation of this handler must not drop the freeing.
+                self.executor.submit(self._free, owned, in_flight)
+
+    def _free(self, owned: set[str], in_flight) -> None:
+        """On the engine thread: close the stream's sequences, with those a step cut off by the
+        stream's end had opened (that step has finished: it ran before this on the same thread)."""
+        if in_flight is not None:
+            req, step = in_flight
+            if not step.cancelled() and step.exception() is None:
+                owned = owned | self.held_after(req, step.result()[0])
+        if owned:
+            self.log.info("stream ended; freeing its sequences", count=len(owned))
+            self.engine.close(sorted(owned))
+            self.metrics.refresh()
 
     def _timed_step(self, req):
         t0 = time.perf_counter()

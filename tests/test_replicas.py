@@ -1,6 +1,7 @@
 """Two verifiers and two drafters behind one gateway: requests spread over both replicas of
-each service, outputs stay exact, and losing one replica of each loses only the requests that
-were running on the lost verifier, while the survivors take new requests."""
+each service, outputs stay exact, and losing one replica of each loses no request: those on the
+lost verifier resume on the other from their committed tokens, those whose drafter died finish in
+mode off, all with exactly the target's tokens; the survivors take new requests."""
 
 from __future__ import annotations
 
@@ -115,10 +116,9 @@ def test_losing_one_replica_of_each(replicated, checkpoints):
     drafter_died_under_survivor = 0
     for (rid, prompt, n, mode, spec), (result, final_mode) in zip(work, results):
         verifier, drafter = pinned[rid]
-        if verifier == lost_v:  # its KV state is gone: the request fails, mid-stream
-            assert result == grpc.StatusCode.UNAVAILABLE, f"{rid} {mode} {spec}"
-        else:  # survivors: exact tokens, also where the drafter died under them
-            assert result == hf_greedy(target, prompt, n), f"{rid} {mode} {spec}"
+        # exact tokens everywhere: resumed on the surviving verifier, or where the drafter died under them
+        assert result == hf_greedy(target, prompt, n), f"{rid} {mode} {spec} (first on {verifier})"
+        if verifier != lost_v:
             if drafter == lost_d and mode != "off":
                 assert final_mode == "off", f"{rid} kept speculating without its drafter"
                 drafter_died_under_survivor += 1
