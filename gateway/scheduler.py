@@ -103,7 +103,7 @@ class Scheduler:
     def _has_work(self) -> bool:
         room = len(self.active) < self.max_sequences
         return bool((self.pending and room) or self.close_verifier or any(self.close_drafter.values())
-                    or any(r.cancelled or not self.hold.held(r) for r in self.active.values()))
+                    or any(r.cancelled or r.opening or not self.hold.held(r) for r in self.active.values()))
 
     async def _step(self) -> None:
         self.step_no += 1
@@ -113,7 +113,9 @@ class Scheduler:
             self._retire(r)
         opens = self._admit()
         opened = {r.seq_id for r in opens}
-        continuing = [r for r in self.active.values() if r not in opens and not self.hold.held(r)]
+        # Still prefilling (the verifier prefills long prompts in chunks): no verdict yet, nothing to verify.
+        prefilling = any(r.opening for r in self.active.values())
+        continuing = [r for r in self.active.values() if not r.opening and not self.hold.held(r)]
         if self.auto is not None:
             self.auto.plan(continuing)
         started = time.perf_counter()
@@ -139,7 +141,7 @@ class Scheduler:
         (verdicts, verify_rtt), _ = await asyncio.gather(timed(self.verifier.step(verify_msg)),
                                                          self._draft_all(overlap, predraft=True))
         waited = time.perf_counter() - started   # for the drafts, then the verify (and pre-drafts)
-        if self.auto is not None and continuing and not opens:   # (a prefill would blur the step's cost)
+        if self.auto is not None and continuing and not prefilling:   # (a prefill would blur the step's cost)
             self.auto.observe_step(waited)
         self._apply_verdicts(verdicts)
         self.tally.flush(time.perf_counter() - t0, waited, (verify_rtt, verdicts.engine_seconds), draft)

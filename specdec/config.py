@@ -73,6 +73,7 @@ class EngineServiceConfig:
     metrics_listen: str = ""         # Prometheus /metrics address (empty: none)
     drain_seconds: float = 25.0      # on SIGTERM: how long in-flight sequences may take to finish
     tls: TlsConfig = TlsConfig()     # plaintext unless --tls-cert/--tls-key
+    prefill_chunk: int = 512         # verifier: prompt tokens prefilled per step over all sequences (0: whole)
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
@@ -107,6 +108,10 @@ class EngineServiceConfig:
                            help="matmuls and attention with one tile shape and reduction order whatever the "
                                 "batch, so every mode gives bit-identical logits and tokens in bf16; slower, "
                                 "see BENCHMARKS.md (env SPECDEC_BATCH_INVARIANT=1)")
+            p.add_argument("--prefill-chunk", type=int, default=int(env("PREFILL_CHUNK", "512")),
+                           help="prompt tokens prefilled per step over all new sequences, so a long prompt delays "
+                                "running streams by one chunk's forward per step, not by its whole prefill; "
+                                "0: whole prompts at once (env SPECDEC_PREFILL_CHUNK)")
             p.add_argument("--aux-hidden-layers", default=env("AUX_HIDDEN_LAYERS", ""),
                            help="comma-separated target layers (0..num_layers) whose input hidden states every "
                                 "verdict carries for the tokens it commits, for an EAGLE-3 drafter; e.g. 2,16,29 "
@@ -130,6 +135,8 @@ class EngineServiceConfig:
     def from_args(cls, a: argparse.Namespace, role: str, model_dir: Path) -> EngineServiceConfig:
         if a.tp < 1:
             raise SystemExit("--tp must be at least 1")
+        if getattr(a, "prefill_chunk", 0) < 0:
+            raise SystemExit("--prefill-chunk must be >= 0 (0: whole prompts)")
         controlled = None
         reference_file, acceptance = getattr(a, "controlled_acceptance", None), getattr(a, "acceptance", None)
         if reference_file:
@@ -142,7 +149,7 @@ class EngineServiceConfig:
                    a.max_draft_tokens, a.tp, a.cuda_graphs, controlled, getattr(a, "batch_invariant", False),
                    parse_layers(getattr(a, "aux_hidden_layers", "")),
                    Path(a.eagle3_head) if getattr(a, "eagle3_head", None) else None, a.cost_profile, a.metrics_listen, a.drain_seconds,
-                   server_tls_from_args(a))
+                   server_tls_from_args(a), getattr(a, "prefill_chunk", 0))
 
 
 def parse_layers(text: str) -> tuple[int, ...]:

@@ -44,7 +44,7 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
 
         try:
             engine = VerifierEngine(runner, cfg.max_sequences, cfg.max_context, cfg.max_draft_tokens,
-                                    cfg.aux_hidden_layers)
+                                    cfg.aux_hidden_layers, cfg.prefill_chunk)
         except ValueError as exc:
             raise SystemExit(f"verifier: {exc}") from exc
         info.max_context = engine.max_context

@@ -15,9 +15,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Services the tests start: no start-up cost profile (tests that exercise --mode auto's policy ask
-# for it with --cost-profile) and a short drain on SIGTERM (tests of the drain set their own).
+# for it with --cost-profile), a short drain on SIGTERM (tests of the drain set their own).
 os.environ.setdefault("SPECDEC_COST_PROFILE", "0")
 os.environ.setdefault("SPECDEC_DRAIN_SECONDS", "2")
+# Verifiers prefill 6 prompt tokens per step, so every end-to-end test with a longer prompt also
+# runs chunked prefill (production default: 512).
+os.environ.setdefault("SPECDEC_PREFILL_CHUNK", "6")
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -32,6 +32,7 @@ def measure_verify_costs(engine: VerifierEngine, reps: int = 3) -> list[StepCost
         try:
             engine.step(VerifierStep(0, open=[OpenSequence(sid, [rng.randrange(vocab) for _ in range(PROMPT_LEN)])
                                               for sid in ids]))
+            engine.finish_prefills()
             for width in widths:
                 def run() -> None:
                     items = [VerifyItem(sid, len(engine.table.get(sid).tokens),

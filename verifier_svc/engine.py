@@ -2,6 +2,8 @@
 
 Runs on one worker thread (never on the event loop). Invariant per sequence: the KV cache holds
 every committed token but the last one, which is fed as the root of the next step's draft tree.
+Prompts are prefilled in chunks (verifier_svc/prefill.py), in a forward of their own before the
+step's verification; a sequence still prefilling has no verdict yet and cannot be verified.
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ from specdec.model.runner import ModelRunner
 from specdec.sampling import ACCEPT, RESIDUAL, processed_probs, sample_from, seed_tensor, uniforms
 from specdec.sequence_table import SequenceState, SequenceTable
 from specdec.tree import pack_proposals, pack_trees
+from verifier_svc.prefill import PrefillQueue
 from verifier_svc.types import Verdict, VerifierStep, VerifierStepResult, VerifyItem
 
 
 class VerifierEngine:
     def __init__(self, runner: ModelRunner, max_sequences: int, max_context: int, max_draft_tokens: int,
-                 aux_layers: tuple[int, ...] = ()) -> None:
+                 aux_layers: tuple[int, ...] = (), prefill_chunk: int = 0) -> None:
         """aux_layers: target layers (0..num_layers) whose input hidden states every verdict carries
-        for the positions it committed (for an EAGLE-3 drafter); empty = none."""
+        for the positions it committed (for an EAGLE-3 drafter); empty = none. prefill_chunk: prompt
+        tokens prefilled per step over all sequences (0: whole prompts in the step they open)."""
         spec = runner.spec
         if not all(0 <= i <= spec.num_layers for i in aux_layers):
             raise ValueError(f"aux hidden-state layers {list(aux_layers)} must lie in 0..{spec.num_layers}")
@@ -34,13 +38,18 @@ class VerifierEngine:
         self.device = runner.device
         self.max_context = min(max_context, spec.max_position_embeddings)
         self.max_draft_tokens = max_draft_tokens
-        runner.allocate_kv(max_sequences, self.max_context + max_draft_tokens + 1)
+        self.kv_capacity = self.max_context + max_draft_tokens + 1   # KV positions per slot
+        runner.allocate_kv(max_sequences, self.kv_capacity)
         self.table = SequenceTable(max_sequences, spec.vocab_size, self.max_context)
+        self.prefills = PrefillQueue(prefill_chunk)
         self.prefill_tokens_computed = 0  # prompt tokens fed by prefills since start (host count, no sync)
 
     def close(self, seq_ids: list[str]) -> None:
         self.table.close_all(seq_ids)
         self.hidden_wanted.difference_update(seq_ids)
+        for sid in seq_ids:
+            if sid in self.prefills:
+                self.prefills.drop(sid)
 
     def step(self, req: VerifierStep) -> VerifierStepResult:
         result = VerifierStepResult(req.step)
@@ -57,8 +66,9 @@ class VerifierEngine:
                 if o.want_hidden and self.runner.aux_layers:
                     self.hidden_wanted.add(o.seq_id)
                 opened.append((state, o.share_prefill_with))
-        if opened:
-            result.verdicts += self._prefill(opened)
+        self.prefills.add(opened)
+        if self.prefills:
+            result.verdicts += self._prefill()
         items: list[tuple[SequenceState, VerifyItem]] = []
         for item in req.verify:
             checked = self._check(item)
@@ -70,10 +80,19 @@ class VerifierEngine:
             result.verdicts += self._verify(items)
         return result
 
+    def finish_prefills(self) -> list[Verdict]:
+        """Start-up work and tools: run prefill chunks until no prompt is left half-prefilled."""
+        verdicts = []
+        while self.prefills:
+            verdicts += self._prefill()
+        return verdicts
+
     def _check(self, item: VerifyItem) -> SequenceState | SequenceError:
         state = self.table.get(item.seq_id)
         if state is None:
             return SequenceError(item.seq_id, ErrorCode.NOT_FOUND, f"sequence {item.seq_id!r} is not open")
+        if item.seq_id in self.prefills:
+            return SequenceError(item.seq_id, ErrorCode.STALE, f"sequence {item.seq_id!r} is still prefilling")
         if item.committed_len != len(state.tokens):
             return SequenceError(
                 item.seq_id, ErrorCode.STALE,
@@ -87,39 +106,48 @@ class VerifierEngine:
                                  f"sequence reached the context limit {self.max_context}")
         return state
 
-    def _prefill(self, opened: list[tuple[SequenceState, str]]) -> list[Verdict]:
-        """Prefill each distinct prompt once; sequences sharing it get a copy of its KV."""
-        by_id = {s.seq_id: s for s, _ in opened}
-        leader_of = {}
-        for s, share in opened:
-            lead = by_id.get(share)
-            leader_of[s.seq_id] = lead if lead is not None and lead.tokens == s.tokens and lead is not s else s
-        leaders = [s for s, _ in opened if leader_of[s.seq_id] is s]
-        self.prefill_tokens_computed += sum(len(s.tokens) for s in leaders)
-        tokens, lengths = ragged_to_padded([s.tokens for s in leaders], 0, self.device)
+    def _prefill(self) -> list[Verdict]:
+        """This step's prompt chunks in one forward; -> the first token of each prompt completed
+        (and of the sequences sharing it, which get a copy of its KV)."""
+        chunks = self.prefills.take()
+        leaders = [c.entry.state for c in chunks]
+        self.prefill_tokens_computed += sum(c.end - c.start for c in chunks)
+        tokens, lengths = ragged_to_padded([s.tokens[c.start:c.end] for s, c in zip(leaders, chunks)], 0, self.device)
         n = tokens.shape[1]
-        positions = torch.arange(n, device=self.device).expand_as(tokens)
+        starts = upload_list([c.start for c in chunks], self.device)                   # [L]
+        positions = starts[:, None] + torch.arange(n, device=self.device)             # [L, n]
+        # Padding past a short chunk of a late prompt would land past the slot's end: park it in
+        # the slot's last position, which no live query of this sequence reads.
+        write_pos = positions.clamp(max=self.kv_capacity - 1)
         batch = ForwardBatch.build(
-            tokens, positions, self.table.slots(leaders, self.device), positions,
-            torch.zeros_like(lengths), causal_region(lengths, n), kv_len=n,
+            tokens, positions, self.table.slots(leaders, self.device), write_pos, starts,
+            causal_region(lengths, n), kv_len=min(max(c.start for c in chunks) + n, self.kv_capacity),
         )
         logits, aux = self._forward(batch, logit_index=(lengths - 1)[:, None])  # [L, 1, V], [L, n, A] or None
-        followers = [s for s, _ in opened if leader_of[s.seq_id] is not s]
+        self.prefills.advance(chunks)
+        wants = lambda e: any(s.seq_id in self.hidden_wanted for s in (e.state, *e.followers))  # noqa: E731
+        if aux is not None and any(wants(c.entry) for c in chunks):
+            aux = aux.cpu()
+            for c, rows in zip(chunks, aux):
+                c.entry.hidden.append(rows[:c.end - c.start])
+        done = [i for i, c in enumerate(chunks) if c.completes]
+        if not done:
+            return []
+        followers = [(f, chunks[i].entry.state) for i in done for f in chunks[i].entry.followers]
         if followers:
-            src = self.table.slots([leader_of[s.seq_id] for s in followers], self.device)
-            self.runner.copy_prefix(src, self.table.slots(followers, self.device), n)
-        row = {s.seq_id: i for i, s in enumerate(leaders)}
-        states = [s for s, _ in opened]
-        logits = logits[[row[leader_of[s.seq_id].seq_id] for s in states]]      # [B, 1, V]
-        first = self._sample_next(states, logits[:, 0]).tolist()
-        wanted = aux is not None and any(s.seq_id in self.hidden_wanted for s in states)
-        hidden = aux.cpu() if wanted else None  # after the read-back above: no extra wait
+            src = self.table.slots([lead for _, lead in followers], self.device)
+            self.runner.copy_prefix(src, self.table.slots([f for f, _ in followers], self.device),
+                                    max(len(lead.tokens) for _, lead in followers))
+        states = [chunks[i].entry.state for i in done] + [f for f, _ in followers]
+        hidden = [chunks[i].entry.hidden for i in done] + [
+            next(c.entry.hidden for c in chunks if c.entry.state is lead) for _, lead in followers]
+        rows = done + [next(i for i in done if chunks[i].entry.state is lead) for _, lead in followers]
+        first = self._sample_next(states, logits[rows, 0]).tolist()
         out = []
-        for s, tok in zip(states, first):
-            wanted = hidden is not None and s.seq_id in self.hidden_wanted
-            h = hidden[row[leader_of[s.seq_id].seq_id], :len(s.tokens)] if wanted else None
+        for s, tok, h in zip(states, first, hidden):
+            wanted = aux is not None and s.seq_id in self.hidden_wanted
             s.tokens.append(tok)
-            out.append(Verdict(s.seq_id, len(s.tokens), [tok], 0, h))
+            out.append(Verdict(s.seq_id, len(s.tokens), [tok], 0, torch.cat(h) if wanted else None))
         return out
 
     def _forward(self, batch: ForwardBatch, logit_index: torch.Tensor | None = None):

@@ -3,7 +3,8 @@
 On the GPU the first call of each Triton kernel compiles it (and Triton's C driver stub), which
 can take seconds or fail outright (no C compiler in the image): that must happen at start-up,
 where it fails the health check, never on a user's first request. The paths: prefill (with a
-shared prefix where two slots allow), greedy tree verification, speculative sampling over a
+shared prefix where two slots allow), a prompt in two chunks (with --prefill-chunk), greedy tree
+verification, speculative sampling over a
 sampled chain and over a point-mass tree, and KV compaction. The warm-up's sequences are closed
 and the engine's counters restored, so it leaves no trace.
 """
@@ -33,17 +34,23 @@ def warm_up(engine: VerifierEngine) -> None:
         opens.append(OpenSequence("warmup-shared", prompt, share_prefill_with="warmup-greedy"))
     try:
         _step(engine, VerifierStep(1, open=opens))
+        engine.finish_prefills()
         _step(engine, VerifierStep(2, verify=[_item(engine, "warmup-greedy", _fit(TREE, vocab, most))]))
         _step(engine, VerifierStep(3, close=[o.seq_id for o in opens],
                                    open=[OpenSequence("warmup-sampled", prompt, SAMPLED)]))
+        engine.finish_prefills()
         _step(engine, VerifierStep(4, verify=[_item(engine, "warmup-sampled", _fit(chain, vocab, most))]))
         _step(engine, VerifierStep(5, verify=[_item(engine, "warmup-sampled", _fit(TREE, vocab, most))]))
         # Compaction runs only when a tree's accepted path is not already dense: force one move.
         state = engine.table.get("warmup-sampled")
         slot = engine.table.slots([state], engine.device)
         engine.runner.move(slot, torch.tensor([[1]], device=engine.device), torch.tensor([[0]], device=engine.device))
+        if engine.prefills.chunk:   # a chunk after the first attends to the KV of those before it
+            long = [t % vocab for t in range(min(engine.prefills.chunk + 2, engine.max_context - 1))]
+            _step(engine, VerifierStep(6, close=["warmup-sampled"], open=[OpenSequence("warmup-chunked", long)]))
+            engine.finish_prefills()
     finally:
-        engine.close(["warmup-greedy", "warmup-shared", "warmup-sampled"])
+        engine.close(["warmup-greedy", "warmup-shared", "warmup-sampled", "warmup-chunked"])
         engine.table.opened, engine.prefill_tokens_computed = opened, computed
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)  # surface asynchronous kernel errors here
