@@ -45,9 +45,9 @@ def start_cluster(tmp_path_factory):
     clusters: list[Cluster] = []
 
     def start(target: Path, draft: Path | None, **kw) -> Cluster:
-        c = Cluster(target, draft, log_dir=tmp_path_factory.mktemp("logs"), **kw).start()
-        clusters.append(c)
-        return c
+        c = Cluster(target, draft, log_dir=tmp_path_factory.mktemp("logs"), **kw)
+        clusters.append(c)   # before start: a cluster that fails to start is stopped too
+        return c.start()
 
     yield start
     for c in clusters:
