@@ -52,7 +52,10 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     dev = logits.device
     greedy = upload(torch.tensor([p.greedy for p in params]), dev)
     temp = upload(torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=logits.dtype), dev)
-    x = logits / temp[:, None, None]
+    # Shifted by the row's max first (softmax and top-k are unchanged by it): a tiny temperature
+    # (any float32 down to the subnormals passes validation) would otherwise overflow logits / t
+    # to inf and the softmax to NaN; shifted, the largest stays 0 and the others only go down.
+    x = (logits - logits.amax(-1, keepdim=True)) / temp.clamp(min=torch.finfo(logits.dtype).tiny)[:, None, None]
     if any(0 < p.top_k < v for p in params):  # decided on the host: no device read
         top_k = upload_list([p.top_k if 0 < p.top_k < v else v for p in params], dev)
         kth = torch.sort(x, dim=-1, descending=True).values.gather(-1, (top_k - 1)[:, None, None].expand(b, x.shape[1], 1))
