@@ -11,7 +11,13 @@ from specdec.rpc import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 
 
 class BackendLost(RuntimeError):
-    """The backend's stream broke: its sequences' state is gone with it."""
+    """The backend's stream broke: its sequences' state is gone with it. `failed`: the backend is
+    up but its step failed (it ended the stream INTERNAL): retrying the same work elsewhere would
+    fail the same way."""
+
+    def __init__(self, message: str, failed: bool = False) -> None:
+        super().__init__(message)
+        self.failed = failed
 
 
 class StepStream:
@@ -36,7 +42,8 @@ class StepStream:
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, ConnectionError) as exc:
             # InvalidStateError: writing to a call the server already ended
             self.call = None
-            raise BackendLost(f"{self.role} at {self.address}: {exc}") from exc
+            failed = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.INTERNAL
+            raise BackendLost(f"{self.role} at {self.address}: {exc}", failed) from exc
         if resp is grpc.aio.EOF:
             self.call = None
             raise BackendLost(f"{self.role} at {self.address} ended the stream")

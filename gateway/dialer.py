@@ -9,6 +9,13 @@ import grpc
 from specdec.security import TlsConfig, aio_channel, is_ip
 from specdec.serving import CHANNEL_OPTIONS
 
+# A replica restarted on its address must be seen again within about a second: with gRPC's default
+# reconnect backoff (growing to 120 s while it is down) the gateway noticed a verifier back after a
+# 50 s outage only at the next attempt, tens of seconds later, and requests waiting for it
+# (--backend-wait-seconds) ended UNAVAILABLE meanwhile. One connection attempt a second to a
+# replica that is down costs nothing.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 1000), ("grpc.max_reconnect_backoff_ms", 1000)]
+
 
 class BackendDialer:
     def __init__(self, tls: TlsConfig | None = None) -> None:
@@ -21,4 +28,4 @@ class BackendDialer:
             self._names[address] = host
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        return aio_channel(address, self.tls, CHANNEL_OPTIONS, self._names.get(address))
+        return aio_channel(address, self.tls, CHANNEL_OPTIONS + RECONNECT_OPTIONS, self._names.get(address))

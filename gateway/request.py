@@ -103,6 +103,7 @@ class ActiveRequest:
     cancelled: bool = False
     finished: bool = False
     opening: bool = False                       # admitted; the verdict of its prefill is due
+    resumes: int = 0                            # times it moved to a new verifier after losing one
 
     def __post_init__(self) -> None:
         if self.settings is None:

@@ -31,6 +31,7 @@ from specdec.rpc.convert import costs_from_info
 
 
 PARKED_POLL = 0.25   # seconds between looks for a verifier while requests wait for one
+MAX_RESUMES = 3      # a request resumes on a new verifier at most this many times
 
 
 class NoBackend(RuntimeError):
@@ -184,6 +185,12 @@ class Router:
     def _on_orphans(self, samples: list[ActiveRequest]) -> None:
         """A scheduler lost its verifier: its requests wait for another (or the same, back)."""
         live = [r for r in samples if not r.cancelled]
+        for r in live:
+            r.resumes += 1
+        spent = [r for r in live if r.resumes > MAX_RESUMES]
+        if spent:   # a request whose verifier keeps dying under it: stop moving it around
+            self._fail(spent, f"lost its verifier {MAX_RESUMES + 1} times; retry later")
+            live = [r for r in live if r.resumes <= MAX_RESUMES]
         if not live:
             return
         if self.backend_wait <= 0:

@@ -88,6 +88,10 @@ class Scheduler:
                 await self._step()
             except BackendLost as exc:
                 self.verifier.reset()
+                if exc.failed:   # the verifier is up but failed the step: retrying would fail again
+                    self.log.error("verifier step failed; failing the step's requests", error=str(exc))
+                    self._fail_all("INTERNAL", f"the verifier failed the step: {exc}")
+                    continue
                 self.on_lost("verifier", self.verifier.address)
                 if self.on_orphans is None:
                     self.log.error("verifier lost; failing its requests", error=str(exc))
