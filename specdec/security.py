@@ -7,7 +7,7 @@ Flags and environment variables, per role:
 - the gateway's links to its backends: --backend-tls-ca (SPECDEC_BACKEND_TLS_CA) turns TLS on and
   verifies the backends against it; --backend-tls-cert/--backend-tls-key present a client
   certificate (for backends that require mTLS);
-- clients (`specdec generate`, `specdec health`): --tls-ca, --tls-cert, --tls-key,
+- clients (`specdec generate`, `specdec health`): --tls (system roots), --tls-ca, --tls-cert, --tls-key,
   --tls-server-name (SPECDEC_CLIENT_TLS_*).
 """
 

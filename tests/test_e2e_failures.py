@@ -117,29 +117,30 @@ def test_lost_verifier_not_back_within_the_wait_gives_unavailable(checkpoints, s
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-@pytest.mark.parametrize("mode, spec", [("chain", {"k": 3}), ("tree", {"topk": 2, "depth": 2, "budget": 4})])
-def test_request_resumes_when_its_verifier_is_back(checkpoints, start_cluster, mode, spec):
+def test_request_resumes_when_its_verifier_is_back(checkpoints, start_cluster):
     """kill -9 of the only verifier mid-request, restarted within --backend-wait-seconds: the
     request resumes from its committed tokens on the new process (which prefills prompt + output
-    so far), with exactly the target's tokens; a request sent during the outage waits and succeeds."""
+    so far), with exactly the target's tokens; a request sent during the outage waits and succeeds.
+    Chain, then tree, on one cluster."""
     target = checkpoints["llama-gqa"]
     own = start_cluster(target, checkpoints["llama-gqa/draft"], hold=True, gateway_extra=["--backend-wait-seconds", "120"])
-    prompt, n = [2, 7, 1, 8, 2, 8], 60
-    stream, ids = held_stream(own, f"resume-{mode}", 10, request(prompt, n, mode, **spec))
-    own.kill("verifier")
-    own.release(f"resume-{mode}")   # the next step finds the verifier gone: the request waits
-    with ThreadPoolExecutor(1) as pool:
-        during = pool.submit(own.generate, [9, 9, 9], 8, mode, **spec)
-        time.sleep(0.5)
-        own.restart("verifier")
-        final = None
-        for msg in stream:
-            ids += msg.token_ids
-            final = msg.final if msg.HasField("final") else final
-        assert ids == hf_greedy(target, prompt, n)
-        assert final.stats.steps > 0
-        assert during.result()[0] == hf_greedy(target, [9, 9, 9], 8)
-    wait_idle(own)
+    for mode, spec in [("chain", {"k": 3}), ("tree", {"topk": 2, "depth": 2, "budget": 4})]:
+        prompt, n = [2, 7, 1, 8, 2, 8], 60
+        stream, ids = held_stream(own, f"resume-{mode}", 10, request(prompt, n, mode, **spec))
+        own.kill("verifier")
+        own.release(f"resume-{mode}")   # the next step finds the verifier gone: the request waits
+        with ThreadPoolExecutor(1) as pool:
+            during = pool.submit(own.generate, [9, 9, 9], 8, mode, **spec)
+            time.sleep(0.5)
+            own.restart("verifier")
+            final = None
+            for msg in stream:
+                ids += msg.token_ids
+                final = msg.final if msg.HasField("final") else final
+            assert ids == hf_greedy(target, prompt, n), mode
+            assert final.stats.steps > 0
+            assert during.result()[0] == hf_greedy(target, [9, 9, 9], 8), mode
+        wait_idle(own)
 
 
 def test_full_queue_gives_resource_exhausted(checkpoints, start_cluster):
