@@ -130,21 +130,20 @@ class VerifierEngine:
             aux = aux.cpu()
             for c, rows in zip(chunks, aux):
                 c.entry.hidden.append(rows[:c.end - c.start])
-        done = [i for i, c in enumerate(chunks) if c.completes]
+        done = [(i, c.entry) for i, c in enumerate(chunks) if c.completes]
         if not done:
             return []
-        followers = [(f, chunks[i].entry.state) for i in done for f in chunks[i].entry.followers]
-        if followers:
-            src = self.table.slots([lead for _, lead in followers], self.device)
-            self.runner.copy_prefix(src, self.table.slots([f for f, _ in followers], self.device),
-                                    max(len(lead.tokens) for _, lead in followers))
-        states = [chunks[i].entry.state for i in done] + [f for f, _ in followers]
-        hidden = [chunks[i].entry.hidden for i in done] + [
-            next(c.entry.hidden for c in chunks if c.entry.state is lead) for _, lead in followers]
-        rows = done + [next(i for i in done if chunks[i].entry.state is lead) for _, lead in followers]
-        first = self._sample_next(states, logits[rows, 0]).tolist()
+        # Answered now: each completed prompt's sequence, then those sharing its prompt (they copy its
+        # KV first); each with its logits row and the prompt's hidden-state rows.
+        shared = [(e.state, f) for _, e in done for f in e.followers]
+        if shared:
+            self.runner.copy_prefix(self.table.slots([lead for lead, _ in shared], self.device),
+                                    self.table.slots([f for _, f in shared], self.device),
+                                    max(len(lead.tokens) for lead, _ in shared))
+        answered = [(e.state, i, e.hidden) for i, e in done] + [(f, i, e.hidden) for i, e in done for f in e.followers]
+        first = self._sample_next([s for s, _, _ in answered], logits[[i for _, i, _ in answered], 0]).tolist()
         out = []
-        for s, tok, h in zip(states, first, hidden):
+        for (s, _, h), tok in zip(answered, first):
             wanted = aux is not None and s.seq_id in self.hidden_wanted
             s.tokens.append(tok)
             out.append(Verdict(s.seq_id, len(s.tokens), [tok], 0, torch.cat(h) if wanted else None))
