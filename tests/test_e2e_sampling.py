@@ -33,7 +33,7 @@ def test_same_seed_same_output(cluster, mode, spec):
 
 
 def test_n_samples_share_a_prefill_and_differ(cluster):
-    prompt = [9, 8, 7]
+    prompt = [9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8]   # two prefill chunks (conftest: 6 tokens a step)
     before = cluster.info("verifier")
     req = request(prompt, 16, "chain")
     req.sampling.CopyFrom(gateway_pb2.Sampling(temperature=1.0, n=4, seed=7))
