@@ -92,7 +92,12 @@ class Router:
     @property
     def load(self) -> int:
         """Requests admitted or waiting, over all verifiers, and those waiting for one."""
-        return sum(s.load for s in self.schedulers.values()) + sum(len(g) for g, _ in self.parked)
+        return sum(s.load for s in self.schedulers.values()) + self.parked_count
+
+    @property
+    def parked_count(self) -> int:
+        """Samples waiting for a healthy verifier."""
+        return sum(len(g) for g, _ in self.parked)
 
     @property
     def can_serve(self) -> bool:
@@ -144,7 +149,7 @@ class Router:
         if not candidates:
             if self.backend_wait <= 0:
                 raise NoBackend("no verifier replica is available; retry later")
-            if sum(len(g) for g, _ in self.parked) + len(samples) > self.max_queue:
+            if self.parked_count + len(samples) > self.max_queue:
                 raise QueueFull(f"{self.max_queue} requests already wait for a verifier; retry later")
             self._park(samples)
             return
