@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from drafter_svc.types import ChainShape, DrafterStep, DrafterStepResult, DraftItem, TreeShape
 from specdec.rpc import drafter_pb2, drafter_pb2_grpc
-from specdec.rpc.convert import error_to_proto, payload_to_tensor, sampling_from_proto, tree_to_proto
+from specdec.rpc.convert import error_to_proto, sampling_from_proto, tree_to_proto
+from specdec.rpc.tensor_payload import payload_to_tensor
 from specdec.step_servicer import StepStreamServicer
 
 

@@ -9,7 +9,7 @@ from gateway.request import GenerationRequest, InvalidRequest, Mode, SpecSetting
 from specdec.config import GatewayConfig
 from specdec.limits import MAX_CHAIN_K, MAX_TREE_BUDGET, MAX_TREE_DEPTH, MAX_TREE_TOPK
 from specdec.rpc import gateway_pb2
-from specdec.sampling import SamplingParams
+from specdec.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MODES = {

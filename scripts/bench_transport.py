@@ -145,7 +145,7 @@ def payload_cost(batch: int, tokens: int, width: int, device: str, reps: int = 5
     copied to the host, encoded per sequence into a Verdict, decoded by the gateway and encoded
     again into a DraftItem, decoded by the drafter -> bytes and ms of each hop."""
     from specdec.rpc import common_pb2
-    from specdec.rpc.convert import payload_to_tensor, tensor_to_payload
+    from specdec.rpc.tensor_payload import payload_to_tensor, tensor_to_payload
 
     aux = torch.randn(batch, tokens + 4, width, dtype=torch.bfloat16, device=device)
     path = torch.arange(tokens, device=device).expand(batch, tokens)

@@ -12,8 +12,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:   # (the gateway reads the shapes and StepCost; only the engines time steps)
+    import torch
+
 
 # Shapes `--mode auto` chooses from (gateway/auto/policy.py); the drafter profiles these.
 # The trees are the drafters' captured default shapes (drafter_svc/draft_graphs.py).
@@ -55,6 +58,8 @@ def time_step(run: Callable[[], None], device: torch.device, reps: int) -> float
     """The fastest of `reps` timed calls of `run`, after one untimed call: the engine's own cost.
     (Services that start together on one GPU profile at the same time; the fastest call is the
     one least slowed by the others, and the gateway measures the rest while serving.)"""
+    import torch
+
     run()
     best = float("inf")
     for _ in range(reps):

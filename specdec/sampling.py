@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.model.batch import upload, upload_list
+from specdec.sampling_params import GREEDY, SamplingParams  # noqa: F401  (re-exported)
 
 # Purposes ("salts") of a draw at one position.
 DRAFT = 1       # the drafter samples a chain token
@@ -22,28 +23,6 @@ ACCEPT = 3      # the verifier's accept test of a draft node; + 16 * sibling ran
 MASK32 = 0xFFFFFFFF
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    def problem(self) -> str | None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
-            return f"temperature={self.temperature} must be a finite number >= 0"
-        if not 0.0 <= self.top_p <= 1.0:
-            return f"top_p={self.top_p} must be in [0, 1]"
-        if self.top_k < 0:
-            return f"top_k={self.top_k} must be >= 0"
-        return None
-
-
-GREEDY = SamplingParams()
 
 
 def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from specdec.model.loader import load_model
 from specdec.model.runner import ModelRunner
-from specdec.rpc.convert import payload_to_tensor, tensor_to_payload
+from specdec.rpc.tensor_payload import payload_to_tensor, tensor_to_payload
 from specdec.tree import DraftTree
 from verifier_svc.engine import VerifierEngine
 from verifier_svc.servicer import VerifierServicer

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from specdec.rpc import verifier_pb2, verifier_pb2_grpc
-from specdec.rpc.convert import error_to_proto, sampling_from_proto, tensor_to_payload, tree_from_proto
+from specdec.rpc.convert import error_to_proto, sampling_from_proto, tree_from_proto
+from specdec.rpc.tensor_payload import tensor_to_payload
 from specdec.step_servicer import StepStreamServicer
 from verifier_svc.types import OpenSequence, VerifierStep, VerifierStepResult, VerifyItem
 
