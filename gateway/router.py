@@ -126,8 +126,8 @@ class Router:
                 min(i.max_sequences for i in infos))
 
     def _start_scheduler(self, replica: Replica) -> None:
-        auto = AutoController(costs_from_info(replica.info), self._drafter_costs, replica.info.max_draft_tokens,
-                              cycle=self.auto_cycle)
+        auto = AutoController(costs_from_info(replica.info), self._drafter_profile, replica.info.max_draft_tokens,
+                              cycle=self.auto_cycle, verifier_accelerators=list(replica.info.accelerators))
         sched = Scheduler(StepStream("verifier", replica.address, self.dialer), replica.info.max_sequences,
                           self.eos_ids, on_done=self._on_done, on_lost=self._on_lost, hold=self.hold, auto=auto,
                           dialer=self.dialer, on_orphans=self._on_orphans)
@@ -135,12 +135,13 @@ class Router:
         task = asyncio.get_running_loop().create_task(sched.run())
         self._tasks.add(task)
 
-    def _drafter_costs(self) -> list[StepCost]:
-        """A drafter replica's cost profile (replicas serve one draft model: any profiled one)."""
+    def _drafter_profile(self) -> tuple[list[StepCost], list[str]]:
+        """A drafter replica's cost profile and accelerators (replicas serve one draft model: any
+        profiled one)."""
         for d in self.drafters.healthy() if self.drafters else []:
             if d.info is not None and d.info.step_costs:
-                return costs_from_info(d.info)
-        return []
+                return costs_from_info(d.info), list(d.info.accelerators)
+        return [], []
 
     def submit(self, samples: list[ActiveRequest]) -> None:
         """Pin a request's samples to one verifier (they share its prefill) and each to a drafter;

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -35,6 +37,7 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
     info = common_pb2.ServiceInfo(
         role=cfg.role, model_name=cfg.model_dir.name, vocab_size=spec.vocab_size,
         max_sequences=cfg.max_sequences, max_draft_tokens=cfg.max_draft_tokens, device=cfg.device, dtype=cfg.dtype,
+        accelerators=accelerator_ids(cfg.device, cfg.tp),
     )
     if cfg.role == "verifier":
         from verifier_svc.cost_profile import measure_verify_costs as measure_costs
@@ -112,3 +115,17 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
         if runner is not None:
             executor.submit(runner.shutdown).result()
         executor.shutdown()
+
+
+def accelerator_ids(device: str, tp: int) -> list[str]:
+    """What this engine computes on (ServiceInfo.accelerators): the UUIDs of the GPUs of its ranks
+    (cuda:0..tp-1 of the devices it sees), or the host's boot id for CPU engines (every process of
+    one machine, containers too, shares its cores)."""
+    if device == "cuda":
+        return [f"GPU-{torch.cuda.get_device_properties(i).uuid}" for i in range(tp)]
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = socket.gethostname()
+    return [f"cpu@{boot}"]
+

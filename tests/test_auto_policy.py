@@ -19,13 +19,13 @@ from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, VERIFY_WIDTHS, StepC
 BATCHES = (1, 2, 4, 8, 16, 32, 64)   # as the services profile on a GPU
 
 
-def profile(verify, draft) -> CostModel:
+def profile(verify, draft, shared_accelerator: bool = False) -> CostModel:
     """verify(batch, width) and draft(batch, k_or_depth) in seconds -> a CostModel built from a profile."""
     v = [StepCost(f"verify:{w}", b, verify(b, w)) for w in VERIFY_WIDTHS for b in BATCHES]
     d = [StepCost(chain_shape(k), b, draft(b, k)) for k in AUTO_CHAIN_KS for b in BATCHES]
     d += [StepCost(predraft_shape(k), b, draft(b, 2 * k + 1)) for k in AUTO_CHAIN_KS for b in BATCHES]
     d += [StepCost(tree_shape(*t), b, draft(b * t[0], t[1])) for t in AUTO_TREES for b in BATCHES]
-    return CostModel(v, d)
+    return CostModel(v, d, shared_accelerator=shared_accelerator)
 
 
 def memory_bound(b: int, w: int) -> float:      # a GPU verify: flat until ~256 tokens
@@ -177,3 +177,25 @@ def test_contention_the_profile_cannot_see_is_calibrated_away(a, batch):
     p = policy(profile(memory_bound, cheap_draft))
     got = simulate(p, true_verify, true_draft, a, batch, 1200)
     assert got >= 0.95 * best_fixed(true_verify, true_draft, a, batch, p.choices)
+
+
+def test_an_overlap_pre_draft_on_the_verifiers_own_processor_is_priced_after_the_verify():
+    """A drafter on another GPU pre-drafts while the verifier verifies: the step takes the longer of
+    the two. On the verifier's own GPU (or CPU) both wait for one processor: the sum. Priced as
+    the longer one there, overlap looks free and wins where it really loses (the H200 sweep)."""
+    def slow_draft(b, n):   # a pre-draft as long as the verify
+        return 0.010 * n / 9
+    rng = np.random.default_rng(0)
+    chosen = {}
+    for shared in (False, True):
+        p = AutoPolicy(profile(memory_bound, slow_draft, shared), AcceptanceBook(),
+                       [OFF] + [c for c in menu(profile(memory_bound, slow_draft), 64, True) if c.k == 4])
+        observe(p, "r0", "chain", 0.9, 200, rng)
+        both = {c.overlap: c for c in p.choices if c != OFF}
+        seconds = {o: p._seconds(c, 1, 1, c.width, np.array([0.9 ** 4])) for o, c in both.items()}
+        verify, predraft = memory_bound(1, 5), slow_draft(1, 9)
+        sync = (1 - 0.9 ** 4) * slow_draft(1, 4)
+        assert seconds[True] == pytest.approx((verify + predraft if shared else max(verify, predraft)) + sync)
+        assert seconds[False] == pytest.approx(verify + slow_draft(1, 4))
+        chosen[shared] = p.plan(["r0"], 0, 1, 0.0).choice
+    assert chosen[False].overlap and not chosen[True].overlap

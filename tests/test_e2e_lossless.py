@@ -131,6 +131,10 @@ def test_auto_is_the_default_mode_and_stays_lossless(checkpoints, start_cluster)
     target = checkpoints["llama-gqa"]
     cluster = start_cluster(target, target, extra=["--cost-profile"])
     assert cluster.info("verifier").step_costs and cluster.info("drafter").step_costs
+    # Both engines compute on this machine's CPU: auto prices overlap as sharing it.
+    accelerators = list(cluster.info("verifier").accelerators)
+    assert accelerators == list(cluster.info("drafter").accelerators) and accelerators[0].startswith("cpu@")
     ids, final = cluster.generate(PROMPTS[2], 32, "default")
     assert ids == hf_greedy(target, PROMPTS[2], 32)
     assert final.stats.mode == "auto" and sum(final.stats.steps_by_mode.values()) == final.stats.steps
+    assert "drafter_shares_the_verifier_accelerator=True" in (cluster.log_dir / "gateway.log").read_text()

@@ -22,12 +22,16 @@ from gateway.request import ActiveRequest, Mode, SpecSettings
 from specdec.cost_profile import StepCost, tree_shape
 
 WARMUP_STEPS = 3
+CONFIRM_MEASUREMENTS = 3   # the calibration's median needs three
 
 
 class AutoController:
-    def __init__(self, verifier_costs: list[StepCost], drafter_costs: Callable[[], list[StepCost]],
-                 max_draft_tokens: int, log=None, cycle: bool = False, replan_every: int = 8) -> None:
-        self.verifier_costs, self.drafter_costs = verifier_costs, drafter_costs
+    def __init__(self, verifier_costs: list[StepCost], drafter_profile: Callable[[], tuple[list[StepCost], list[str]]],
+                 max_draft_tokens: int, log=None, cycle: bool = False, replan_every: int = 8,
+                 verifier_accelerators: list[str] = ()) -> None:
+        """drafter_profile: () -> a drafter's (cost profile, accelerators), asked until one answers."""
+        self.verifier_costs, self.drafter_profile = verifier_costs, drafter_profile
+        self.verifier_accelerators = set(verifier_accelerators)
         self.max_draft_tokens = max_draft_tokens
         self.book = AcceptanceBook()
         self.policies: dict[bool, AutoPolicy | CyclingPolicy] = {}   # by whether overlap is allowed
@@ -42,10 +46,12 @@ class AutoController:
 
     def _policy(self, overlap_allowed: bool) -> AutoPolicy | CyclingPolicy | None:
         if self.costs is None:
-            drafter = self.drafter_costs()
+            drafter, accelerators = self.drafter_profile()
             if not (self.verifier_costs and drafter):
                 return None
-            self.costs = CostModel(self.verifier_costs, drafter)
+            shared = bool(self.verifier_accelerators & set(accelerators))
+            self.costs = CostModel(self.verifier_costs, drafter, shared_accelerator=shared)
+            self.log.info("auto mode costs", drafter_shares_the_verifier_accelerator=shared)
         if overlap_allowed not in self.policies:
             choices = menu(self.costs, self.max_draft_tokens, overlap_allowed)
             # Probes after 64 steps off, then 128, ... up to 4096 (in plans of `replan_every` steps).
@@ -100,9 +106,12 @@ class AutoController:
             keep = set(plan.speculating) | ({i for i in ids if i not in known} if plan.choice != OFF else set())
             return dataclasses.replace(plan, speculating=[i for i in ids if i in keep])
         plan = policy.plan(ids, others, other_width, other_tokens)
-        # Kept only once confirmed: a probe, or a choice that differs from the last one (the
-        # policy still learning), is planned again next step.
-        confirmed = cached is not None and cached[0].choice == plan.choice and not plan.probe
+        # Kept only once confirmed: a probe, a choice that differs from the last one, or one whose
+        # step time at this batch size rests on fewer than three measurements (priced from another
+        # size or choice: the policy still learning) is planned again next step.
+        confirmed = (cached is not None and cached[0].choice == plan.choice and not plan.probe
+                     and (not isinstance(policy, AutoPolicy)
+                          or policy.calibration.measured(plan.choice.name, plan.batch) >= CONFIRM_MEASUREMENTS))
         self.plans[overlap_allowed] = (plan, key, 1 if confirmed else self.replan_every, set(ids))
         return plan
 

@@ -60,6 +60,10 @@ class StepCalibration:
             self.samples.setdefault((name, bucket(batch)), deque(maxlen=self.window)).append(measured / modelled)
             self.kinds.setdefault(kind, {}).setdefault(width, set()).add(name)
 
+    def measured(self, name: str, batch: int) -> int:
+        """Steps of this choice measured at this batch size's bucket (in the window)."""
+        return len(self.samples.get((name, bucket(batch)), ()))
+
     def ratio(self, kind: str, name: str, width: int, batch: int) -> float:
         mine = self._nearest_bucket(name, batch)
         if mine is None:   # the closest measured choice of this kind
@@ -86,9 +90,13 @@ class StepCalibration:
 
 
 class CostModel:
-    """Predicted seconds of a verify step (batch, width) and of a draft step (batch, drafter shape)."""
+    """Predicted seconds of a verify step (batch, width) and of a draft step (batch, drafter shape).
+    shared_accelerator: the drafter computes on the verifier's GPU (or CPU), so work sent to both
+    at once takes about the sum of their times, not the longer one (each profile was measured
+    alone)."""
 
-    def __init__(self, verifier: list[StepCost], drafter: list[StepCost]) -> None:
+    def __init__(self, verifier: list[StepCost], drafter: list[StepCost], shared_accelerator: bool = False) -> None:
+        self.shared_accelerator = shared_accelerator
         self.verify_widths: dict[int, _Surface] = {}
         by_width: dict[int, list] = defaultdict(list)
         for c in verifier:

@@ -7,6 +7,8 @@ request that speculates this step, and per request whether it speculates at all.
   tokens(c) = sum over speculating requests of E_r(c)  +  1 per other request
   time(c)   = draft(n_s, c) + verify(B, width)                       tree, chain without overlap
             = max(verify(B, width), predraft(n_s, k)) + (1 - h) draft(n_s, k)    chain with overlap
+              (verify + predraft in place of the max when drafter and verifier share a GPU or CPU:
+              both then run on the same processor)
 
 E_r(c) = 1 + sum_j prod_{i<=j} p_r[i] from the request's running acceptance per position
 (gateway/auto/acceptance.py), h the probability that a whole chain is accepted (only then is an
@@ -203,7 +205,8 @@ class AutoPolicy:
             misses = float((1.0 - full_accept).sum())
             p_any_miss = 1.0 - float(np.prod(full_accept))
             sync = p_any_miss * self.costs.draft(max(1, round(misses)), c.draft_shape)
-            return max(verify, predraft) + sync
+            beside = verify + predraft if self.costs.shared_accelerator else max(verify, predraft)
+            return beside + sync
         return verify + self.costs.draft(drafting, c.draft_shape)
 
 
