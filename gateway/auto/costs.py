@@ -45,10 +45,13 @@ class _Surface:
 class StepCalibration:
     """measured / modelled whole-step time per choice and batch bucket. Robust to a stalled step
     (a connection set up, a GC pause): the median of the last few, or while fewer than three were
-    measured their least. A (choice, bucket) not measured yet borrows the nearest measured
-    neighbour: the same choice at the nearest bucket, else the closest choice of its kind (by
-    verify width) - the model's error changes slowly along both; with nothing to borrow it is the
-    bare model, so the choice gets tried once and measured."""
+    measured their least. A (choice, bucket) not measured yet is estimated from its neighbours:
+    the closest choice of its kind (by verify width) measured at this bucket; else its own (or,
+    failing that, its kind's closest) figure at the nearest measured bucket, scaled by how the
+    choices measured at both buckets changed between them (costs the profile misses, like
+    contention on a shared GPU, can grow with the batch: a small batch's figure alone would make
+    every choice look good at a large one, and each would be tried in turn); with nothing to go
+    on it is the bare model, so the choice gets tried once and measured."""
 
     def __init__(self, window: int = 5) -> None:
         self.window = window
@@ -65,28 +68,36 @@ class StepCalibration:
         return len(self.samples.get((name, bucket(batch)), ()))
 
     def ratio(self, kind: str, name: str, width: int, batch: int) -> float:
-        mine = self._nearest_bucket(name, batch)
-        if mine is None:   # the closest measured choice of this kind
-            widths = self.kinds.get(kind, {})
-            for w in sorted(widths, key=lambda w: (abs(w - width), w)):
-                for other in sorted(widths[w]):
-                    mine = self._nearest_bucket(other, batch)
-                    if mine is not None:
-                        break
-                if mine is not None:
-                    break
-        if mine is None:
-            return 1.0
-        return statistics.median(mine) if len(mine) >= 3 else min(mine)
-
-    def _nearest_bucket(self, name: str, batch: int) -> deque | None:
         b = bucket(batch)
         if (name, b) in self.samples:
-            return self.samples[(name, b)]
+            return _value(self.samples[(name, b)])
+        by_width = sorted(self.kinds.get(kind, {}).items(), key=lambda kv: (abs(kv[0] - width), kv[0]))
+        kin = [n for _, names in by_width for n in sorted(names)]       # its kind, closest width first
+        for other in kin:                                               # a neighbour at this batch size
+            if (other, b) in self.samples:
+                return _value(self.samples[(other, b)])
+        for candidate in [name, *kin]:                                  # itself, then its kind, elsewhere
+            near = self._nearest_bucket(candidate, b)
+            if near is not None:
+                return _value(self.samples[(candidate, near)]) * self._trend(near, b)
+        return 1.0
+
+    def _nearest_bucket(self, name: str, b: int) -> int | None:
         measured = [x for (n, x) in self.samples if n == name]
-        if not measured:
-            return None
-        return self.samples[(name, min(measured, key=lambda x: (abs(x.bit_length() - b.bit_length()), x)))]
+        return min(measured, key=lambda x: (abs(x.bit_length() - b.bit_length()), x)) if measured else None
+
+    def _trend(self, src: int, dst: int) -> float:
+        """How calibrations changed from bucket `src` to `dst`: the median ratio over the choices
+        measured at both (1 when none was)."""
+        both = [_value(self.samples[(n, dst)]) / _value(q) for (n, x), q in self.samples.items()
+                if x == src and (n, dst) in self.samples]
+        return statistics.median(both) if both else 1.0
+
+
+def _value(ratios: deque) -> float:
+    """A choice's calibration from its recent ratios: the median, or while fewer than three were
+    measured their least (a first step may have paid for a connection or an allocation)."""
+    return statistics.median(ratios) if len(ratios) >= 3 else min(ratios)
 
 
 class CostModel:
