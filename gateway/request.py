@@ -92,6 +92,10 @@ class ActiveRequest:
     # The shape drafts are made with: the request's own, or what `--mode auto` chose this step.
     settings: SpecSettings | None = None
     auto: bool = False                          # mode auto: `mode` and `settings` change per step
+    # auto, admitted while auto had settled on off with a drafter that needs the verifier's hidden
+    # states: it runs as mode off for life, without them and without drafter state (cost: see
+    # AutoController.admit)
+    parked: bool = False
     choice: str = ""                            # auto: the name of this step's choice
     draft_family: str = ""                      # acceptance family of `draft` ("chain" or a tree shape)
     draft: DraftTree | None = None              # ready for the next verify, made from len(tokens)
@@ -114,7 +118,7 @@ class ActiveRequest:
     @property
     def speculates(self) -> bool:
         """It drafts now or may later (auto): it keeps its drafter state and hidden states."""
-        return self.auto or self.mode != Mode.OFF
+        return (self.auto and not self.parked) or self.mode != Mode.OFF
 
     @property
     def generated(self) -> int:

@@ -127,7 +127,8 @@ class Router:
 
     def _start_scheduler(self, replica: Replica) -> None:
         auto = AutoController(costs_from_info(replica.info), self._drafter_profile, replica.info.max_draft_tokens,
-                              cycle=self.auto_cycle, verifier_accelerators=list(replica.info.accelerators))
+                              cycle=self.auto_cycle, verifier_accelerators=list(replica.info.accelerators),
+                              hidden_states=bool(replica.info.aux_hidden_layers))
         sched = Scheduler(StepStream("verifier", replica.address, self.dialer), replica.info.max_sequences,
                           self.eos_ids, on_done=self._on_done, on_lost=self._on_lost, hold=self.hold, auto=auto,
                           dialer=self.dialer, on_orphans=self._on_orphans)

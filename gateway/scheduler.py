@@ -160,6 +160,8 @@ class Scheduler:
             if not r.tokens:   # (a request resumed from a lost verifier keeps its committed tokens)
                 r.tokens = list(r.req.prompt_ids)
             r.opening = True
+            if r.auto and self.auto is not None:
+                self.auto.admit(r)
             self.active[r.seq_id] = r
             opens.append(r)
         return opens

@@ -22,14 +22,18 @@ from gateway.request import ActiveRequest, Mode, SpecSettings
 from specdec.cost_profile import StepCost, tree_shape
 
 WARMUP_STEPS = 3
+SCOUT_EVERY = 8            # while settled off, one admitted request in this many stays ready to draft
 CONFIRM_MEASUREMENTS = 3   # the calibration's median needs three
 
 
 class AutoController:
     def __init__(self, verifier_costs: list[StepCost], drafter_profile: Callable[[], tuple[list[StepCost], list[str]]],
                  max_draft_tokens: int, log=None, cycle: bool = False, replan_every: int = 8,
-                 verifier_accelerators: list[str] = ()) -> None:
-        """drafter_profile: () -> a drafter's (cost profile, accelerators), asked until one answers."""
+                 verifier_accelerators: list[str] = (), hidden_states: bool = False) -> None:
+        """drafter_profile: () -> a drafter's (cost profile, accelerators), asked until one answers;
+        hidden_states: the verifier sends hidden states to requests that may draft (EAGLE-3)."""
+        self.hidden_states = hidden_states
+        self.admitted_while_off = 0
         self.verifier_costs, self.drafter_profile = verifier_costs, drafter_profile
         self.verifier_accelerators = set(verifier_accelerators)
         self.max_draft_tokens = max_draft_tokens
@@ -60,13 +64,32 @@ class AutoController:
                 probe_max=max(1, 4096 // self.replan_every)))
         return self.policies[overlap_allowed]
 
+    # ---- admission ---------------------------------------------------------------------------
+    def admit(self, r: ActiveRequest) -> None:
+        """Keeping an auto request ready to draft has a price with an EAGLE-3 drafter even while it
+        does not draft: every verdict carries its hidden states (copied off the GPU, sent, held by
+        the gateway), a large share of a small target's step. Once auto has settled on off (its
+        probes keep losing), requests admitted are parked - mode off for life, without hidden
+        states - except one in SCOUT_EVERY, which its probes use, so a turn in acceptance or load
+        is still noticed and later admissions draft again."""
+        if not (self.hidden_states and self.settled_off()):
+            return
+        self.admitted_while_off += 1
+        if self.admitted_while_off % SCOUT_EVERY:
+            r.parked, r.choice, r.mode = True, "off", Mode.OFF
+
+    def settled_off(self) -> bool:
+        """Every policy chooses off and has seen a probe lose since it did."""
+        policies = [p for p in self.policies.values() if isinstance(p, AutoPolicy)]
+        return bool(policies) and all(p.settled_off for p in policies)
+
     # ---- before the step ---------------------------------------------------------------------
     def plan(self, continuing: list[ActiveRequest]) -> None:
         self.step_plans = []
-        auto = [r for r in continuing if r.auto]
+        auto = [r for r in continuing if r.auto and not r.parked]
         if not auto:
             return
-        fixed = [r for r in continuing if not r.auto]
+        fixed = [r for r in continuing if not r.auto or r.parked]
         width = max((step_width(r.settings, r.mode) for r in fixed), default=1)
         fixed_tokens = sum(max(1.0, r.stats.mean_accepted_length) for r in fixed)
         for overlap_allowed in (True, False):   # requests that said overlap=false get a menu without it

@@ -157,6 +157,11 @@ class AutoPolicy:
             self.steps_off, self.probe_interval = 0, self.probe_start
         return best
 
+    @property
+    def settled_off(self) -> bool:
+        """Off is its choice, and a probe lost since it chose off (the probe interval has grown)."""
+        return self.current == OFF and self.probe_interval > self.probe_start
+
     def observe_step(self, plan: Plan, seconds: float) -> None:
         """The measured wall time of a step that ran `plan` for the whole batch."""
         c = plan.choice

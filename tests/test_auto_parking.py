@@ -1,0 +1,105 @@
+"""`--mode auto` with an EAGLE-3 drafter: once it has settled on off, requests admitted are parked
+(mode off for life, no hidden states asked of the verifier, no drafter state), one in eight kept as
+a scout for the probes; not with a drafter that needs no hidden states, and not before it settles."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gateway.auto.controller import SCOUT_EVERY, AutoController
+from gateway.request import ActiveRequest, GenerationRequest, Mode, SpecSettings
+from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, VERIFY_WIDTHS, StepCost, chain_shape, predraft_shape, \
+    tree_shape
+from specdec.sampling_params import GREEDY
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def controller(hidden_states: bool) -> AutoController:
+    verify = [StepCost(f"verify:{w}", b, 0.01) for w in VERIFY_WIDTHS for b in BATCHES]
+    draft = [StepCost(s, b, 0.002) for b in BATCHES for s in
+             [*(chain_shape(k) for k in AUTO_CHAIN_KS), *(predraft_shape(k) for k in AUTO_CHAIN_KS),
+              *(tree_shape(*t) for t in AUTO_TREES)]]
+    return AutoController(verify, lambda: (draft, []), 64, hidden_states=hidden_states, replan_every=1)
+
+
+def request(i: int) -> ActiveRequest:
+    req = GenerationRequest(f"q{i}", [1, 2, 3], 8, [], False, SpecSettings(Mode.AUTO), GREEDY)
+    return ActiveRequest(req=req, seq_id=f"s{i}", mode=Mode.AUTO, detok=None, sampling=GREEDY, drafter="d:1")
+
+
+def step_seconds(reqs: list[ActiveRequest]) -> float:
+    """As the profile says: a verify, plus a draft when any request drafts."""
+    return 0.01 + 0.002 * any(r.mode != Mode.OFF for r in reqs)
+
+
+def serve_without_acceptance(auto: AutoController, reqs: list[ActiveRequest], steps: int) -> None:
+    """Steps in which every draft is rejected: auto settles on off and its probes keep losing."""
+    for _ in range(steps):
+        auto.plan(reqs)
+        for r in reqs:
+            depth = r.settings.k if r.mode == Mode.CHAIN else r.settings.depth if r.mode == Mode.TREE else 0
+            if r.mode != Mode.OFF:
+                r.draft_family = "chain" if r.mode == Mode.CHAIN else f"tree:{r.settings.topk}/{depth}/{r.settings.budget}"
+            auto.observe_verdict(r, depth, 0)
+        auto.observe_step(step_seconds(reqs))
+
+
+def test_requests_admitted_after_auto_settles_off_are_parked_but_scouts():
+    auto = controller(hidden_states=True)
+    running = [request(i) for i in range(4)]
+    for r in running:
+        auto.admit(r)
+    assert not any(r.parked for r in running)       # not settled yet: every request keeps its states
+    serve_without_acceptance(auto, running, 400)
+    assert auto.settled_off() and all(r.mode == Mode.OFF for r in running)
+    late = [request(i) for i in range(100, 100 + 4 * SCOUT_EVERY)]
+    for r in late:
+        auto.admit(r)
+    scouts = [r for r in late if not r.parked]
+    assert len(scouts) == 4 and all(r.speculates for r in scouts)
+    parked = [r for r in late if r.parked]
+    assert all(not r.speculates and r.mode == Mode.OFF and r.choice == "off" for r in parked)
+    # The first requests finish; the parked are planned as plain decoding, the scouts still get probes.
+    for r in running:
+        auto.forget(r)
+    probes = 0
+    for _ in range(1000):
+        auto.plan(late)
+        assert all(r.mode == Mode.OFF for r in parked)
+        probes += any(r.mode != Mode.OFF for r in scouts)
+        auto.observe_step(step_seconds(late))
+    assert probes > 0
+
+
+def test_without_hidden_states_nothing_is_parked():
+    auto = controller(hidden_states=False)
+    running = [request(i) for i in range(4)]
+    serve_without_acceptance(auto, running, 400)
+    assert auto.settled_off()
+    late = [request(i) for i in range(100, 116)]
+    for r in late:
+        auto.admit(r)
+    assert not any(r.parked for r in late)
+
+
+def test_a_drafter_that_pays_is_never_settled_off():
+    auto = controller(hidden_states=True)
+    reqs = [request(i) for i in range(4)]
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        auto.plan(reqs)
+        for r in reqs:
+            if r.mode == Mode.CHAIN:
+                accepted = 0
+                while accepted < r.settings.k and rng.random() < 0.9:
+                    accepted += 1
+                r.draft_family = "chain"
+                auto.observe_verdict(r, r.settings.k, accepted)
+            else:
+                auto.observe_verdict(r, 0, 0)
+        auto.observe_step(step_seconds(reqs))
+    assert not auto.settled_off()
+    late = request(99)
+    auto.admit(late)
+    assert not late.parked
