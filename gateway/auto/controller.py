@@ -44,7 +44,7 @@ class AutoController:
         self.last_choice: dict[bool, str] = {}
         self.cycle = cycle   # tests only: CyclingPolicy instead of AutoPolicy
         self.replan_every = 1 if cycle else replan_every
-        self.plans: dict[bool, tuple] = {}   # overlap allowed -> (plan, batch bucket, age in steps, seq ids)
+        self.plans: dict[bool, CachedPlan] = {}   # by whether overlap is allowed
         self.step_plans: list[tuple] = []    # this step's (policy, plan, other sequences)
         self.steps_seen = 0
 
@@ -118,24 +118,28 @@ class AutoController:
     def _cached_plan(self, policy, group: list[ActiveRequest], overlap_allowed: bool, others: int, other_width: int,
                      other_tokens: float) -> Plan:
         """A full plan every `replan_every` steps, or when the batch moves to another size bucket,
-        or while the choice is changing (a plan costs about a millisecond at batch 64); in between
+        or while the choice is changing (a plan costs 1-3 ms at batch 64 on a 2-core VM); in between
         the last choice is kept, and a request that joined meanwhile speculates with it."""
         ids = [r.seq_id for r in group]
         key = bucket(len(group) + others)
         cached = self.plans.get(overlap_allowed)
-        if cached is not None and cached[1] == key and cached[2] < self.replan_every:
-            plan, _, age, known = cached
-            self.plans[overlap_allowed] = (plan, key, age + 1, known)
+        if cached is not None and cached.bucket == key and cached.age < self.replan_every:
+            cached.age += 1
+            plan, known = cached.plan, cached.known
             keep = set(plan.speculating) | ({i for i in ids if i not in known} if plan.choice != OFF else set())
             return dataclasses.replace(plan, speculating=[i for i in ids if i in keep])
         plan = policy.plan(ids, others, other_width, other_tokens)
         # Kept only once confirmed: a probe, a choice that differs from the last one, or one whose
         # step time at this batch size rests on fewer than three measurements (priced from another
-        # size or choice: the policy still learning) is planned again next step.
-        confirmed = (cached is not None and cached[0].choice == plan.choice and not plan.probe
-                     and (not isinstance(policy, AutoPolicy)
-                          or policy.calibration.measured(plan.choice.name, plan.batch) >= CONFIRM_MEASUREMENTS))
-        self.plans[overlap_allowed] = (plan, key, 1 if confirmed else self.replan_every, set(ids))
+        # size or choice: the policy still learning) is planned again next step - but a choice
+        # planned three times running is kept anyway (steps that prefill are not measured, and a
+        # server where prompts keep arriving must not pay for a full plan every step).
+        same = cached is not None and cached.plan.choice == plan.choice and not plan.probe
+        repeats = cached.repeats + 1 if same else 0
+        measured = (not isinstance(policy, AutoPolicy)
+                    or policy.calibration.measured(plan.choice.name, plan.batch) >= CONFIRM_MEASUREMENTS)
+        confirmed = same and (measured or repeats >= CONFIRM_MEASUREMENTS)
+        self.plans[overlap_allowed] = CachedPlan(plan, key, 1 if confirmed else self.replan_every, set(ids), repeats)
         return plan
 
     def _apply(self, r: ActiveRequest, c: Choice) -> None:
@@ -176,3 +180,13 @@ def step_width(s: SpecSettings, mode: Mode) -> int:
 
 def draft_family(settings: SpecSettings, mode: Mode) -> str:
     return tree_shape(settings.topk, settings.depth, settings.budget) if mode == Mode.TREE else "chain"
+
+
+@dataclasses.dataclass
+class CachedPlan:
+    plan: Plan
+    bucket: int          # the batch bucket it was made for
+    age: int             # steps it has run (re-planned at `replan_every`)
+    known: set[str]      # the requests it was made for (later joiners take its choice)
+    repeats: int = 0     # plans in a row that chose the same
+

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.auto.acceptance import AcceptanceBook, expected_tokens, full_accept_probability
+from gateway.auto.acceptance import AcceptanceBook
 from gateway.auto.costs import CostModel, StepCalibration
 from gateway.request import Mode
 from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, chain_shape, predraft_shape, tree_shape
@@ -72,7 +72,7 @@ class Choice:
 
     @property
     def width(self) -> int:
-        return {Mode.OFF: 1, Mode.CHAIN: self.k + 1, Mode.TREE: self.budget + 1}[self.mode]
+        return self.k + 1 if self.mode == Mode.CHAIN else self.budget + 1 if self.mode == Mode.TREE else 1
 
     @property
     def draft_shape(self) -> str:
@@ -132,8 +132,13 @@ class AutoPolicy:
         probe = self._probe_choice()
         if seq_ids and probe is not None and self.book.drafter_observations("chain") < self.min_observations:
             return self._probe(probe, seq_ids, others)   # a new drafter: measure it cheaply first
-        rates = {f: self.book.request_rates(seq_ids, f) for f in {c.family for c in self.choices if c != OFF}}
-        scored = [self._score(c, seq_ids, others, other_width, other_tokens, rates.get(c.family))
+        # Per family, once: [n, positions] cumulative products (P(positions 1..j all accepted)) and
+        # their running sums (expected accepted drafts of a depth-j draft): each choice reads a column.
+        prefix = {}
+        for f in {c.family for c in self.choices if c != OFF}:
+            accepted_through = np.cumprod(self.book.request_rates(seq_ids, f), axis=1)
+            prefix[f] = (np.cumsum(accepted_through, axis=1), accepted_through)
+        scored = [self._score(c, seq_ids, others, other_width, other_tokens, prefix.get(c.family))
                   for c in self.choices]
         best = max(scored, key=lambda p: p.tokens_per_second)
         current = next((p for p in scored if p.choice == self.current), None)
@@ -178,29 +183,31 @@ class AutoPolicy:
                     model_seconds=self._seconds(c, batch, 1, c.width, np.zeros(1)))
 
     def _score(self, c: Choice, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
-               rates: np.ndarray | None) -> Plan:
-        """rates [n, positions]: the requests' acceptance estimates for c's family."""
+               prefix: tuple[np.ndarray, np.ndarray] | None) -> Plan:
+        """prefix: for c's family, the requests' expected accepted drafts by depth and their
+        probabilities of accepting a whole draft of each depth ([n, positions] each)."""
         batch = len(seq_ids) + others
         if c == OFF or not seq_ids:
             seconds = self.costs.verify(batch, max(1, other_width))
             calibrated = seconds * self.calibration.ratio(OFF.kind, OFF.name, OFF.width, batch)
             return Plan(OFF, [], (len(seq_ids) + other_tokens) / calibrated, batch=batch, model_seconds=seconds)
-        gain = expected_tokens(rates, c.positions) - 1.0               # [n]
-        full = full_accept_probability(rates, c.positions)             # [n]
+        gain = prefix[0][:, c.positions - 1]                           # [n] E - 1
+        full = prefix[1][:, c.positions - 1]                           # [n]
         order = np.argsort(-gain)
         ratio = self.calibration.ratio(c.kind, c.name, c.width, batch)
         # Speculate the requests with the largest gains first; stop where the next one's gain no
         # longer pays for its draft (the best prefix of the sorted list).
-        best: Plan | None = None
+        gained = np.cumsum(gain[order])                                # [n] gain of the first i + 1
+        best = (-1.0, 0, 0.0)                                          # (tokens/s, how many, model seconds)
         for n in _prefix_sizes(len(seq_ids)):
-            chosen = order[:n]
-            seconds = self._seconds(c, batch, n, max(c.width, other_width), full[chosen])
-            tps = (len(seq_ids) + float(gain[chosen].sum()) + other_tokens) / (seconds * ratio)
-            if best is None or tps > best.tokens_per_second:
-                best = Plan(c, [seq_ids[i] for i in chosen], tps, batch=batch, model_seconds=seconds)
-        return best
+            seconds = self._seconds(c, batch, n, max(c.width, other_width), full[order[:n]] if c.overlap else None)
+            tps = (len(seq_ids) + float(gained[n - 1]) + other_tokens) / (seconds * ratio)
+            if tps > best[0]:
+                best = (tps, n, seconds)
+        tps, n, seconds = best
+        return Plan(c, [seq_ids[i] for i in order[:n]], tps, batch=batch, model_seconds=seconds)
 
-    def _seconds(self, c: Choice, batch: int, drafting: int, width: int, full_accept: np.ndarray) -> float:
+    def _seconds(self, c: Choice, batch: int, drafting: int, width: int, full_accept: np.ndarray | None) -> float:
         """The model's seconds for one step: the verify and what the step waits for drafting."""
         verify = self.costs.verify(batch, width)
         if c.mode == Mode.CHAIN and c.overlap:
