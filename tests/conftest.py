@@ -28,6 +28,23 @@ from cluster import Cluster  # noqa: E402
 from model_factory import make_checkpoint, make_layer_subset_draft  # noqa: E402
 
 
+# CI runs the files on two workers (pytest-xdist --dist loadfile), handed out in collection order.
+# The longest go first, so that neither worker is left alone with a long file at the end while
+# the other idles (alphabetically, the tensor-parallel and training files came last). A file not
+# listed keeps its place after them; a stale entry only changes the schedule.
+LONG_FILES_FIRST = [
+    "test_e2e_lossless.py", "test_e2e_failures.py", "test_e2e_sampling_distribution.py", "test_tensor_parallel.py",
+    "test_embedded_model.py", "test_e2e_eagle3.py", "test_fuzz_requests.py", "test_replicas.py",
+    "test_fault_injection.py", "test_train_drafter.py", "test_benchmarks.py", "test_serve_supervision.py",
+    "test_docker.py", "test_health.py", "test_drain.py",
+]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: a file's own order is kept
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """Targets of several shapes, and for each a one-layer draft derived from it."""
