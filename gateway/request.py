@@ -7,8 +7,8 @@ import enum
 from collections import Counter
 from dataclasses import dataclass, field
 
-from specdec.sampling_params import SamplingParams
 from specdec.draft_tree import DraftTree
+from specdec.sampling_params import SamplingParams
 
 GOLDEN = 0x9E3779B97F4A7C15  # spreads the seeds of a request's samples over 64 bits
 

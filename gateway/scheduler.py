@@ -27,10 +27,10 @@ from gateway.backends import BackendLost, StepStream
 from gateway.dialer import BackendDialer
 from gateway.hold import NO_HOLD, POLL_SECONDS, HoldGate
 from gateway.request import ActiveRequest, Event, Mode
+from specdec.draft_tree import DraftTree
 from specdec.errors import ErrorCode
 from specdec.rpc import common_pb2, drafter_pb2, verifier_pb2
 from specdec.rpc.convert import error_from_proto, sampling_to_proto, tree_from_proto, tree_to_proto
-from specdec.draft_tree import DraftTree
 
 
 class Scheduler:

@@ -72,11 +72,6 @@ def expected_tokens(rates: np.ndarray, depth: int) -> np.ndarray:
     return 1.0 + np.cumprod(rates[..., :depth], axis=-1).sum(-1)
 
 
-def full_accept_probability(rates: np.ndarray, depth: int) -> np.ndarray:
-    """P(every one of `depth` positions is accepted): when an overlap pre-draft can be used."""
-    return np.prod(rates[..., :depth], axis=-1)
-
-
 class AcceptanceBook:
     """One drafter replica's estimates and its requests' estimates, per family."""
 

@@ -189,4 +189,3 @@ class CachedPlan:
     age: int             # steps it has run (re-planned at `replan_every`)
     known: set[str]      # the requests it was made for (later joiners take its choice)
     repeats: int = 0     # plans in a row that chose the same
-
