@@ -231,7 +231,9 @@ def _inprocess_cells(engines, plan: Plan, prompts, pair: ModelPair, a, reference
 
 
 def _gateway_cells(services, cells: tuple[Cell, ...], prompts, pair: ModelPair, max_new: int, warm: int,
-                   state: SuiteState) -> None:
+                   state: SuiteState, waves: int = 1) -> None:
+    """Each cell: `waves` measured waves (each after a warm-up wave of `warm` tokens); the row is
+    the wave of median tokens per second (one wave of a few steps varies by several percent)."""
     from benchmarks.gateway_runs import GatewayClient
 
     client = GatewayClient()
@@ -239,8 +241,10 @@ def _gateway_cells(services, cells: tuple[Cell, ...], prompts, pair: ModelPair, 
     try:
         for cell in cells:
             address = services.gateways.get(cell.acceptance, default)
-            traces = client.run(address, prompts[: cell.concurrency], max_new, cell.config, warmup_tokens=warm)
-            state.record(summarize(traces, "gateway", pair.name, cell.config.name, cell.concurrency, cell.acceptance))
+            rows = [summarize(client.run(address, prompts[: cell.concurrency], max_new, cell.config, warmup_tokens=warm),
+                              "gateway", pair.name, cell.config.name, cell.concurrency, cell.acceptance)
+                    for _ in range(waves)]
+            state.record(sorted(rows, key=lambda r: r.tok_s)[len(rows) // 2])
     except Exception:
         for name in services.procs:
             print(services.log_tail(name, 10), file=sys.stderr)

@@ -2,11 +2,13 @@
 
 The 8B-shaped random pair runs at controlled acceptance a = 0, 0.6, 0.8, 0.9 (one drafter and
 gateway per a over one verifier, as in benchmarks/run.py; mode off once per C), and the SmolLM2
-pair with its shipped EAGLE-3 head at its real acceptance. Each row is one wave of C requests
-started together. The report (benchmarks/sweep_report.py) plots tok/s and TPOT p50/p99 against C,
+pair with its shipped EAGLE-3 head at its real acceptance. Each row is the median of `--waves`
+waves of C requests started together (one wave of 64 tokens lasts about a second on the H200 and
+varies by a few percent run to run: more than the 3% the aims allow). The report (benchmarks/sweep_report.py) plots tok/s and TPOT p50/p99 against C,
 one line per mode, and tabulates auto against mode off and against the best fixed mode.
 
-    python -m benchmarks.sweep --device cuda                    # about 10 minutes on one H200
+    python -m benchmarks.sweep --device cuda --parts random     # about 12 minutes on one H200
+    python -m benchmarks.sweep --device cuda --parts smollm2    # then merge: python -m benchmarks.sweep_report DIR1 DIR2
     python -m benchmarks.sweep --device cpu --tiny --acceptance 0 0.8 --concurrency 1 4   # smoke
 """
 
@@ -44,6 +46,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", choices=list(CONFIGS), default=list(MODES))
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--waves", type=int, default=3, help="measured waves per row; the row is their median")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "out" / "sweep")
     p.add_argument("--report", type=Path, default=REPO / "BENCHMARKS.md")
@@ -114,7 +117,7 @@ def _random_part(a, cells, dtype: str, work: Path, state: SuiteState) -> None:
                     services.add_gateway(acc, reference if acc is not None else None, a.seed)
                     services.wait_ready()
             with state.phase("rows"):
-                _gateway_cells(services, cells, prompts, pair, a.max_new_tokens, 2, state)
+                _gateway_cells(services, cells, prompts, pair, a.max_new_tokens, 2, state, a.waves)
     finally:
         if remove:
             shutil.rmtree(root, ignore_errors=True)
@@ -137,7 +140,7 @@ def _smollm2_part(a, cells, work: Path, state: SuiteState) -> None:
             services.add_gateway(None)
             services.wait_ready()
         with state.phase("smollm2 rows"):
-            _gateway_cells(services, cells, prompts, pair, a.max_new_tokens, 2, state)
+            _gateway_cells(services, cells, prompts, pair, a.max_new_tokens, 2, state, a.waves)
     finally:
         services.stop()
 
