@@ -241,9 +241,11 @@ def _gateway_cells(services, cells: tuple[Cell, ...], prompts, pair: ModelPair, 
     try:
         for cell in cells:
             address = services.gateways.get(cell.acceptance, default)
-            rows = [summarize(client.run(address, prompts[: cell.concurrency], max_new, cell.config, warmup_tokens=warm),
-                              "gateway", pair.name, cell.config.name, cell.concurrency, cell.acceptance)
-                    for _ in range(waves)]
+            rows = []
+            for _ in range(waves):
+                traces = client.run(address, prompts[: cell.concurrency], max_new, cell.config, warmup_tokens=warm)
+                rows.append(summarize(traces, "gateway", pair.name, cell.config.name, cell.concurrency,
+                                      cell.acceptance))
             state.record(sorted(rows, key=lambda r: r.tok_s)[len(rows) // 2])
     except Exception:
         for name in services.procs:

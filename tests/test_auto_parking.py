@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gateway.auto.controller import SCOUT_EVERY, AutoController
+from gateway.auto.controller import SCOUT_EVERY, AutoController, draft_family
 from gateway.request import ActiveRequest, GenerationRequest, Mode, SpecSettings
 from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, VERIFY_WIDTHS, StepCost, chain_shape, predraft_shape, \
     tree_shape
@@ -39,8 +39,7 @@ def serve_without_acceptance(auto: AutoController, reqs: list[ActiveRequest], st
         auto.plan(reqs)
         for r in reqs:
             depth = r.settings.k if r.mode == Mode.CHAIN else r.settings.depth if r.mode == Mode.TREE else 0
-            if r.mode != Mode.OFF:
-                r.draft_family = "chain" if r.mode == Mode.CHAIN else f"tree:{r.settings.topk}/{depth}/{r.settings.budget}"
+            r.draft_family = draft_family(r.settings, r.mode)
             auto.observe_verdict(r, depth, 0)
         auto.observe_step(step_seconds(reqs))
 

@@ -116,7 +116,8 @@ def test_tiny_concurrency_sweep_with_auto(tmp_path):
     md.write_text(f"# Benchmarks\n\n{report.BEGIN}\nsuite\n{report.END}\n")
     results = sweep.main([
         "--device", "cpu", "--tiny", "--parts", "random", "--acceptance", "0", "1", "--concurrency", "1", "3",
-        "--modes", "off", "chain k=2", "auto", "--max-new-tokens", "24", "--waves", "1", "--out-dir", str(tmp_path / "out"),
+        "--modes", "off", "chain k=2", "auto", "--max-new-tokens", "24", "--waves", "1",
+        "--out-dir", str(tmp_path / "out"),
         "--report", str(md), "--ckpt-dir", str(tmp_path / "ckpt"), "--work-dir", str(tmp_path / "work"),
     ])
     rows = json.loads(results.read_text())["rows"]
