@@ -50,10 +50,10 @@ CONFIGS = {
 }
 
 
-def one(cluster: Cluster, prompt_ids: list[int], n: int, mode: str, spec: dict) -> dict:
+def one(cluster: Cluster, prompt_ids: list[int], n: int, mode: str, spec: dict, stop_at_eos: bool) -> dict:
     t0 = time.perf_counter()
     stamps, ids, final = [], [], None
-    for msg in cluster.gateway.Generate(request(prompt_ids, n, mode, stop_at_eos=False, **spec), timeout=600):
+    for msg in cluster.gateway.Generate(request(prompt_ids, n, mode, stop_at_eos=stop_at_eos, **spec), timeout=600):
         if msg.token_ids:
             stamps.append(time.perf_counter())
             ids += msg.token_ids
@@ -64,10 +64,10 @@ def one(cluster: Cluster, prompt_ids: list[int], n: int, mode: str, spec: dict) 
             "end": end, "start": t0, "stats": final.stats}
 
 
-def run_config(cluster, prompts, n, mode, spec, concurrency) -> dict:
+def run_config(cluster, prompts, n, mode, spec, concurrency, stop_at_eos: bool = False) -> dict:
     jobs = [prompts[i % len(prompts)] for i in range(max(concurrency, len(prompts)))]
     with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda p: one(cluster, p, n, mode, spec), jobs))
+        results = list(pool.map(lambda p: one(cluster, p, n, mode, spec, stop_at_eos), jobs))
     wall = max(r["end"] for r in results) - min(r["start"] for r in results)
     tokens = sum(len(r["ids"]) for r in results)
     tpots = sorted(r["tpot"] for r in results)
@@ -116,8 +116,13 @@ def main() -> None:
     p.add_argument("--hf", action="store_true",
                    help="also Hugging Face generate and assisted generation (k = 4, the --draft model, default the "
                         "derived SmolLM2 drafter) over the same prompts one at a time, in the same run")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="end each answer at EOS, as a chat client does (default: exactly --max-new-tokens "
+                        "each; past EOS the text is out of any draft head's training, so acceptance drops)")
     p.add_argument("--json-out", default=None)
     a = p.parse_args()
+    if a.stop_at_eos and a.hf:
+        p.error("--hf generates fixed-length answers; run it without --stop-at-eos")
     if a.target:
         target, draft = Path(a.target), Path(a.draft or a.target)
     else:
@@ -157,7 +162,7 @@ def main() -> None:
                 base = None
                 for name in a.configs:
                     mode, spec = CONFIGS[name]
-                    r = run_config(cluster, prompts, a.max_new_tokens, mode, spec, c)
+                    r = run_config(cluster, prompts, a.max_new_tokens, mode, spec, c, a.stop_at_eos)
                     if name == "off":
                         base = r
                     elif base is not None:
@@ -169,7 +174,7 @@ def main() -> None:
         cluster.stop()
     hf_rows = hf_baselines(a, target, prompts, dtype) if a.hf else []
     print(f"\ntarget={target.name} draft={a.eagle3_head or draft.name} prompts={a.prompts} device={a.device} dtype={dtype} "
-          f"max_new_tokens={a.max_new_tokens}")
+          f"max_new_tokens={a.max_new_tokens} stop_at_eos={a.stop_at_eos}")
     print("| C | config | tok/s | TPOT p50 ms | TPOT p99 ms | TTFT p50 ms | accept len | overlap hit | vs off | same tokens as off |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

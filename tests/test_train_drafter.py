@@ -22,7 +22,7 @@ from specdec.model.spec import ModelSpec
 from specdec.train.distill import Sample, clean_question, self_distill
 from specdec.train.prompts import TOPICS, _items, build_prompts
 from specdec.train.trainer import TrainDrafterConfig, _fit, _new_head, evaluate
-from specdec.train.ttt import ttt_forward
+from specdec.train.ttt import Labels, chain_stats, ttt_forward
 from specdec.train.vocab import select_draft_vocab
 
 
@@ -60,6 +60,35 @@ def test_training_unroll_equals_serving_head(checkpoints, tmp_path):
         for j, want in enumerate(_serve_chain(head, embeds, aux, root, steps=4)):
             torch.testing.assert_close(unrolled[j][0, root], want, rtol=0, atol=1e-9,
                                        msg=f"draft step {j} from root {root}")
+
+
+class _IdentityVocabHead:
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+
+def test_chain_stats_from_every_root_and_along_greedy_decoding():
+    """Hand-worked: 8 tokens, positions 0..6 learned (7 has no successor), chains of 2.
+    Right drafts (1 = the target's token): draft 1 from roots 0..5: 1 1 0 1 1 1; draft 2: 1 0 1 1 0 -.
+    Every root: 5 of 6 first drafts, 2 of the 4 second drafts reachable -> 1 + 7/6.
+    Decoding: root 0 accepts 2 -> root 3 accepts 2 -> root 6 has nothing left to draft -> 1 + 4/2."""
+    t_len, vocab, wrong = 8, 10, 9
+    next_id = torch.arange(t_len)[None]                           # labels: any distinct ids
+    learn = (torch.arange(t_len) < t_len - 1)[None]
+    rights = [[1, 1, 0, 1, 1, 1, 0], [1, 0, 1, 1, 0, 0]]
+    logits = []
+    for j, right in enumerate(rights):
+        guess = torch.tensor([next_id[0, t + 1 + j].item() if r else wrong for t, r in enumerate(right)])
+        logits.append(torch.nn.functional.one_hot(guess, vocab).float()[None])    # [1, T - 1 - j, V]
+    labels = Labels(torch.zeros(1, t_len, vocab), next_id, learn, torch.ones_like(learn))
+    stats = chain_stats(_IdentityVocabHead(), logits, labels)
+    assert (stats.tried, stats.accepted, stats.roots) == ([6, 4], [5, 2], 6)
+    assert stats.mean_accepted_length() == pytest.approx(1 + 7 / 6)
+    assert (stats.decode_steps, stats.decode_accepted) == (2, 4)
+    assert stats.decode_mean_accepted_length() == 3.0
+    learn[0, :2] = False                                         # a prompt of 3 tokens: decoding starts at root 2
+    stats = chain_stats(_IdentityVocabHead(), logits, labels)   # root 2 misses, 3 accepts 2, then 6
+    assert (stats.decode_steps, stats.decode_accepted) == (2, 2)
 
 
 def test_draft_vocab_keeps_the_most_frequent_tokens():
@@ -132,7 +161,7 @@ def test_cli_trains_and_saves_a_loadable_head(checkpoints, tmp_path):
            "--save-data", str(tmp_path / "data.pt")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "position 3:" in done.stdout and "sha256" in done.stdout
+    assert "position 3:" in done.stdout and "along greedy decoding" in done.stdout and "sha256" in done.stdout
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["draft_vocab_size"] == 64 and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
     head = load_eagle3(out, ModelSpec.from_pretrained(target_dir), torch.float32, torch.device("cpu"))

@@ -57,5 +57,6 @@ def print_report(report: TrainReport, out: Path) -> None:
     for j, a in enumerate(report.heldout_acceptance):
         print(f"  position {j + 1}: {a:.3f}")
     print(f"held-out mean accepted length, chain of {len(report.heldout_acceptance)}: "
-          f"{report.heldout_mean_accepted_length:.2f}")
+          f"{report.heldout_mean_accepted_length:.2f} from every root, "
+          f"{report.heldout_decode_mean_accepted_length:.2f} along greedy decoding (what serving sees)")
     print(f"saved {out}/model.safetensors  sha256 {digest}")

@@ -67,6 +67,7 @@ class TrainReport:
     final_loss: float
     heldout_acceptance: list[float] = field(default_factory=list)   # per draft position, given earlier ones right
     heldout_mean_accepted_length: float = 0.0                        # chain of eval_k drafts, teacher-forced
+    heldout_decode_mean_accepted_length: float = 0.0                 # the same along greedy decoding's roots
 
 
 def train_drafter(cfg: TrainDrafterConfig) -> TrainReport:
@@ -90,7 +91,7 @@ def train_drafter(cfg: TrainDrafterConfig) -> TrainReport:
     stats = evaluate(head, target, heldout, vocab, cfg.eval_k, cfg.batch_tokens, cfg.max_len, device)
     report = TrainReport(len(train), sum(len(s.ids) for s in train), len(heldout), len(vocab.target_ids),
                          vocab.coverage, steps, time.time() - start, loss, stats.per_position(),
-                         stats.mean_accepted_length())
+                         stats.mean_accepted_length(), stats.decode_mean_accepted_length())
     save_head(head, cfg, report)
     return report
 
