@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
               "k": a.k, "per_position_every_root": stats.per_position(),
               "mean_accepted_length_every_root": stats.mean_accepted_length(),
               "decode_steps": stats.decode_steps,
+              "first_draft_right_decoding": stats.decode_first_right / max(stats.decode_steps, 1),
               "mean_accepted_length_decoding": stats.decode_mean_accepted_length()}
     if a.json:
         print(json.dumps(result))
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
         print("acceptance per draft position (every root, given the earlier ones right): "
               + " ".join(f"{x:.3f}" for x in result["per_position_every_root"]))
         print(f"mean accepted length: {result['mean_accepted_length_every_root']:.2f} from every root, "
-              f"{result['mean_accepted_length_decoding']:.2f} along greedy decoding ({stats.decode_steps} steps)")
+              f"{result['mean_accepted_length_decoding']:.2f} along greedy decoding ({stats.decode_steps} steps, "
+              f"first draft right at {result['first_draft_right_decoding']:.3f} of them)")
     return result
 
 

@@ -84,11 +84,11 @@ def test_chain_stats_from_every_root_and_along_greedy_decoding():
     stats = chain_stats(_IdentityVocabHead(), logits, labels)
     assert (stats.tried, stats.accepted, stats.roots) == ([6, 4], [5, 2], 6)
     assert stats.mean_accepted_length() == pytest.approx(1 + 7 / 6)
-    assert (stats.decode_steps, stats.decode_accepted) == (2, 4)
+    assert (stats.decode_steps, stats.decode_accepted, stats.decode_first_right) == (2, 4, 2)
     assert stats.decode_mean_accepted_length() == 3.0
     learn[0, :2] = False                                         # a prompt of 3 tokens: decoding starts at root 2
     stats = chain_stats(_IdentityVocabHead(), logits, labels)   # root 2 misses, 3 accepts 2, then 6
-    assert (stats.decode_steps, stats.decode_accepted) == (2, 2)
+    assert (stats.decode_steps, stats.decode_accepted, stats.decode_first_right) == (2, 2, 1)
 
 
 def test_draft_vocab_keeps_the_most_frequent_tokens():

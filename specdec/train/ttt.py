@@ -111,6 +111,7 @@ class ChainStats:
     roots: int = 0
     decode_steps: int = 0
     decode_accepted: int = 0
+    decode_first_right: int = 0   # decoding steps whose first draft was right
 
     def add(self, other: ChainStats) -> None:
         self.tried = [a + b for a, b in zip(self.tried, other.tried)]
@@ -118,6 +119,7 @@ class ChainStats:
         self.roots += other.roots
         self.decode_steps += other.decode_steps
         self.decode_accepted += other.decode_accepted
+        self.decode_first_right += other.decode_first_right
 
     def per_position(self) -> list[float]:
         return [a / t if t else 0.0 for a, t in zip(self.accepted, self.tried)]
@@ -153,25 +155,27 @@ def chain_stats(head: Eagle3Head, logits: list[torch.Tensor], labels: Labels) ->
         alive = alive & right
         stats.accepted[j] = int(alive.sum())
         runs += alive
-    stats.decode_steps, stats.decode_accepted = _decode_walk(roots, runs, labels.learn)
+    stats.decode_steps, stats.decode_accepted, stats.decode_first_right = _decode_walk(roots, runs, labels.learn)
     return stats
 
 
-def _decode_walk(roots: torch.Tensor, runs: torch.Tensor, learn: torch.Tensor) -> tuple[int, int]:
-    """roots, learn [B, T] bool; runs [B, T] -> (steps, accepted drafts) of greedy decoding: the
-    first root is the first learned index (the prefill's token: for a prompt of P tokens, x_P with
-    the target state of P - 1), and a step that accepts m drafts moves the root on by m + 1."""
+def _decode_walk(roots: torch.Tensor, runs: torch.Tensor, learn: torch.Tensor) -> tuple[int, int, int]:
+    """roots, learn [B, T] bool; runs [B, T] -> (steps, accepted drafts, steps with the first draft
+    right) of greedy decoding: the first root is the first learned index (the prefill's token: for
+    a prompt of P tokens, x_P with the target state of P - 1), and a step that accepts m drafts
+    moves the root on by m + 1."""
     b, t_len = roots.shape
     rows = torch.arange(b, device=roots.device)
     at = learn.int().argmax(1)
     live = learn.any(1)
-    steps = accepted = 0
+    steps = accepted = first = 0
     while True:
         idx = at.clamp(max=t_len - 1)
         live = live & (at < t_len) & roots[rows, idx]
         if not bool(live.any()):
-            return steps, accepted
+            return steps, accepted, first
         run = runs[rows, idx] * live
         steps += int(live.sum())
         accepted += int(run.sum())
+        first += int((run > 0).sum())
         at = at + run + 1
