@@ -23,7 +23,9 @@ TPOT = Histogram("specdec_gateway_tpot_seconds", "A sample's time per output tok
 QUEUE = Gauge("specdec_gateway_queue_depth", "Requests waiting for a KV slot", ["verifier"])
 ACTIVE = Gauge("specdec_gateway_active_sequences", "Sequences in the step loop", ["verifier"])
 STEP = Histogram("specdec_gateway_step_seconds", "Step time split: step (the whole), draft_engine, verify_engine, "
-                 "transport (round trips less engine time), gateway (the step less its waits)", ["part"],
+                 "transport (round trips less engine time), gateway (the step less its waits); and the drafter's "
+                 "round trips: draft (before the verify, on the step's path), predraft (overlap's, beside the "
+                 "verify), predraft_exposed (what the step waited for a pre-draft after its verdict)", ["part"],
                  buckets=STEP_BUCKETS)
 ACCEPTED = Histogram("specdec_gateway_accepted_tokens_per_step", "Tokens a verify step committed (bonus included)",
                      buckets=tuple(range(1, 18)))
@@ -32,6 +34,9 @@ POSITION = Counter("specdec_gateway_draft_positions_total", "Draft positions tri
 OVERLAP = Counter("specdec_gateway_overlap_predrafts_total", "Overlap pre-drafts used (hit) or dropped (miss)",
                   ["outcome"])
 AUTO_STEPS = Counter("specdec_gateway_auto_steps_total", "Sequence steps run by each --mode auto choice", ["choice"])
+
+
+STEP_PARTS = ("step", "draft_engine", "verify_engine", "transport", "gateway", "draft", "predraft", "predraft_exposed")
 
 
 class StepTally:
@@ -45,7 +50,7 @@ class StepTally:
         self.tried_c = [POSITION.labels(str(i + 1), "tried") for i in range(self.POSITIONS)]
         self.accepted_c = [POSITION.labels(str(i + 1), "accepted") for i in range(self.POSITIONS)]
         self.hit_c, self.miss_c = OVERLAP.labels("hit"), OVERLAP.labels("miss")
-        self.parts = {p: STEP.labels(p) for p in ("step", "draft_engine", "verify_engine", "transport", "gateway")}
+        self.parts = {p: STEP.labels(p) for p in STEP_PARTS}
         self.reset()
 
     def reset(self) -> None:
@@ -61,9 +66,11 @@ class StepTally:
         for i in range(min(accepted, self.POSITIONS)):
             self.accepted[i] += 1
 
-    def flush(self, step: float, waited: float, verify: tuple[float, float], draft: tuple[float, float]) -> None:
+    def flush(self, step: float, waited: float, verify: tuple[float, float], draft: tuple[float, float],
+              predraft: float = 0.0) -> None:
         """step: the whole step's seconds; waited: what it waited for backends; verify, draft:
-        (round trip, engine seconds) of the verify call and of the sync draft calls."""
+        (round trip, engine seconds) of the verify call and of the sync draft calls; predraft: the
+        round trip of overlap's pre-draft calls, sent with the verify."""
         for i in range(self.POSITIONS):
             if self.tried[i]:
                 self.tried_c[i].inc(self.tried[i])
@@ -80,6 +87,10 @@ class StepTally:
         parts["verify_engine"].observe(verify[1])
         if draft[0]:
             parts["draft_engine"].observe(draft[1])
+            parts["draft"].observe(draft[0])
+        if predraft:   # hidden by the verify but for what outlasted it
+            parts["predraft"].observe(predraft)
+            parts["predraft_exposed"].observe(max(0.0, predraft - verify[0]))
         parts["transport"].observe(max(0.0, verify[0] - verify[1]) + max(0.0, draft[0] - draft[1]))
         parts["gateway"].observe(max(0.0, step - waited))
         self.reset()

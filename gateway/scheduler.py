@@ -142,13 +142,14 @@ class Scheduler:
         )
         self.close_verifier = []
         overlap = [r for r in continuing if r.mode == Mode.CHAIN and r.settings.overlap and r.draft]
-        (verdicts, verify_rtt), _ = await asyncio.gather(timed(self.verifier.step(verify_msg)),
-                                                         self._draft_all(overlap, predraft=True))
+        (verdicts, verify_rtt), predraft = await asyncio.gather(timed(self.verifier.step(verify_msg)),
+                                                                self._draft_all(overlap, predraft=True))
         waited = time.perf_counter() - started   # for the drafts, then the verify (and pre-drafts)
         if self.auto is not None and continuing and not prefilling:   # (a prefill would blur the step's cost)
             self.auto.observe_step(waited)
         self._apply_verdicts(verdicts)
-        self.tally.flush(time.perf_counter() - t0, waited, (verify_rtt, verdicts.engine_seconds), draft)
+        self.tally.flush(time.perf_counter() - t0, waited, (verify_rtt, verdicts.engine_seconds), draft,
+                         predraft[0])
 
     def _admit(self) -> list[ActiveRequest]:
         opens = []

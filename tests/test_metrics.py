@@ -52,8 +52,13 @@ def test_metrics_follow_the_traffic(checkpoints, start_cluster):
     assert value(g, "specdec_gateway_overlap_predrafts_total", outcome="hit") > 0
     assert value(g, "specdec_gateway_accepted_tokens_per_step_count") > 0
     assert sum(v for (name, _), v in g.items() if name == "specdec_gateway_auto_steps_total") > 0
-    for part in ("step", "verify_engine", "draft_engine", "transport", "gateway"):
+    for part in ("step", "verify_engine", "draft_engine", "transport", "gateway", "draft", "predraft",
+                 "predraft_exposed"):
         assert value(g, "specdec_gateway_step_seconds_count", part=part) > 0, part
+    # a pre-draft waited on after the verdict is at most the pre-draft's whole round trip
+    assert 0 < value(g, "specdec_gateway_step_seconds_sum", part="predraft")
+    assert value(g, "specdec_gateway_step_seconds_sum", part="predraft_exposed") <= \
+        value(g, "specdec_gateway_step_seconds_sum", part="predraft")
 
     for role in ("verifier", "drafter"):
         e = scrape(ports[role])
