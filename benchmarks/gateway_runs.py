@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -29,28 +31,49 @@ START_TIMEOUT = 900.0   # an 8B load, graph capture and first Triton compiles
 REQUEST_TIMEOUT = 900.0
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Which GPUs each engine sees (CUDA_VISIBLE_DEVICES; None: all, as by default) and the
+    verifier's tensor-parallel ranks: the disaggregated topology docker compose gives."""
+    drafter_gpus: str | None = None
+    verifier_gpus: str | None = None
+    tp: int = 1
+
+    def describe(self) -> str:
+        if self.drafter_gpus is None and self.verifier_gpus is None and self.tp == 1:
+            return "drafter and verifier share it"
+        tp = f" (TP {self.tp})" if self.tp > 1 else ""
+        return (f"drafter on GPU {self.drafter_gpus or 'all'}, "
+                f"verifier on GPU {self.verifier_gpus or 'all'}{tp}")
+
+
 class Services:
-    def __init__(self, pair: ModelPair, device: str, dtype: str, settings: EngineSettings, log_dir: Path) -> None:
+    def __init__(self, pair: ModelPair, device: str, dtype: str, settings: EngineSettings, log_dir: Path,
+                 placement: Placement = Placement()) -> None:
         self.pair = pair
         self.base = [sys.executable, "-m", "specdec.cli"]
         self.engine_flags = ["--device", device, "--dtype", dtype, *settings.flags()]
         self.log_dir = log_dir
+        self.placement = placement
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: list = []
         self.addr: dict[str, str] = {}
         self.gateways: dict[float | None, str] = {}   # acceptance (None: real drafter) -> gateway address
+        self.metrics: dict[str, str] = {}             # gateway address -> its /metrics HOST:PORT
 
-    def _spawn(self, name: str, args: list[str]) -> str:
+    def _spawn(self, name: str, args: list[str], gpus: str | None = None) -> str:
         self.addr[name] = f"127.0.0.1:{free_port()}"
         log = open(self.log_dir / f"{name}.log", "w")
         self.logs.append(log)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **({} if gpus is None else {"CUDA_VISIBLE_DEVICES": gpus})}
         self.procs[name] = subprocess.Popen([*self.base, *args, "--listen", self.addr[name]], stdout=log,
-                                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                            stderr=subprocess.STDOUT, env=env)
         return self.addr[name]
 
     def start_verifier(self) -> None:
-        self._spawn("verifier", ["verifier", "--model", str(self.pair.target), *self.engine_flags,
-                                 *self.pair.verifier_flags()])
+        tp = ["--tp", str(self.placement.tp)] if self.placement.tp > 1 else []
+        self._spawn("verifier", ["verifier", "--model", str(self.pair.target), *self.engine_flags, *tp,
+                                 *self.pair.verifier_flags()], self.placement.verifier_gpus)
 
     def add_gateway(self, acceptance: float | None, reference: Path | None = None, seed: int = 0) -> None:
         """A drafter (controlled when `reference` is given) and a gateway over it and the verifier."""
@@ -58,9 +81,14 @@ class Services:
         control = ([] if reference is None else
                    ["--controlled-acceptance", str(reference), "--acceptance", str(acceptance),
                     "--acceptance-seed", str(seed)])
-        drafter = self._spawn(f"drafter-{tag}", ["drafter", *self.pair.drafter_flags(), *self.engine_flags, *control])
-        self.gateways[acceptance] = self._spawn(f"gateway-{tag}", [
-            "gateway", "--target", str(self.pair.target), "--verifier", self.addr["verifier"], "--drafter", drafter])
+        drafter = self._spawn(f"drafter-{tag}", ["drafter", *self.pair.drafter_flags(), *self.engine_flags, *control],
+                              self.placement.drafter_gpus)
+        metrics = f"127.0.0.1:{free_port()}"
+        gateway = self._spawn(f"gateway-{tag}", [
+            "gateway", "--target", str(self.pair.target), "--verifier", self.addr["verifier"], "--drafter", drafter,
+            "--metrics-listen", metrics])
+        self.gateways[acceptance] = gateway
+        self.metrics[gateway] = metrics
 
     def wait_ready(self) -> None:
         for name, proc in self.procs.items():
@@ -92,14 +120,17 @@ class GatewayClient:
         self.loop.close()
 
     def run(self, address: str, prompts: list[list[int]], max_new: int, cfg: SpecConfig,
-            warmup_tokens: int = 0) -> list[SeqTrace]:
-        return self.loop.run_until_complete(self._wave(address, prompts, max_new, cfg, warmup_tokens))
+            warmup_tokens: int = 0, measuring: Callable[[], None] | None = None) -> list[SeqTrace]:
+        """measuring: called between the warm-up and the measured wave (nothing in flight then)."""
+        return self.loop.run_until_complete(self._wave(address, prompts, max_new, cfg, warmup_tokens, measuring))
 
-    async def _wave(self, address, prompts, max_new, cfg, warmup_tokens) -> list[SeqTrace]:
+    async def _wave(self, address, prompts, max_new, cfg, warmup_tokens, measuring) -> list[SeqTrace]:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
             if warmup_tokens:  # connection, allocations and the first steps of this shape
                 await asyncio.gather(*(self._one(stub, p, warmup_tokens, cfg) for p in prompts))
+            if measuring is not None:
+                measuring()
             return list(await asyncio.gather(*(self._one(stub, p, max_new, cfg) for p in prompts)))
 
     @staticmethod

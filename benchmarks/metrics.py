@@ -52,8 +52,11 @@ class RunResult:
     overlap_hit: float | None
     min_step_accepted: int | None = None
     draft_depth: float | None = None  # in-process: mean depth of a step's draft (a chain's k)
-    draft_ms: float | None = None  # in-process: mean drafter call made before a verify step
+    draft_ms: float | None = None  # mean drafter call made before a verify step (gateway: per gateway step)
     verify_ms: float | None = None  # in-process: mean verifier call
+    predraft_ms: float | None = None           # gateway: overlap's pre-draft round trip per step
+    predraft_exposed_ms: float | None = None   # gateway: what a step waited for it after the verdict
+    overlap_hidden: float | None = None        # gateway: share of drafter time off the step's path
     speedup: float | None = None   # tok/s over mode off at the same path, pair and concurrency
     same_as_off: float | None = None  # share of sequences with exactly mode off's tokens
     outputs: list[list[int]] = field(default_factory=list, repr=False)

@@ -233,7 +233,9 @@ def _inprocess_cells(engines, plan: Plan, prompts, pair: ModelPair, a, reference
 def _gateway_cells(services, cells: tuple[Cell, ...], prompts, pair: ModelPair, max_new: int, warm: int,
                    state: SuiteState, waves: int = 1) -> None:
     """Each cell: `waves` measured waves (each after a warm-up wave of `warm` tokens); the row is
-    the wave of median tokens per second (one wave of a few steps varies by several percent)."""
+    the wave of median tokens per second (one wave of a few steps varies by several percent), with
+    the gateway's step split over that wave (benchmarks/step_split.py)."""
+    from benchmarks import step_split
     from benchmarks.gateway_runs import GatewayClient
 
     client = GatewayClient()
@@ -241,11 +243,14 @@ def _gateway_cells(services, cells: tuple[Cell, ...], prompts, pair: ModelPair, 
     try:
         for cell in cells:
             address = services.gateways.get(cell.acceptance, default)
+            metrics = services.metrics[address]
             rows = []
             for _ in range(waves):
-                traces = client.run(address, prompts[: cell.concurrency], max_new, cell.config, warmup_tokens=warm)
+                marks: dict[str, step_split.Snapshot] = {}
+                traces = client.run(address, prompts[: cell.concurrency], max_new, cell.config, warmup_tokens=warm,
+                                    measuring=lambda: marks.update(before=step_split.scrape(metrics)))
                 rows.append(summarize(traces, "gateway", pair.name, cell.config.name, cell.concurrency,
-                                      cell.acceptance))
+                                      cell.acceptance, **step_split.split(marks["before"], step_split.scrape(metrics))))
             state.record(sorted(rows, key=lambda r: r.tok_s)[len(rows) // 2])
     except Exception:
         for name in services.procs:

@@ -10,6 +10,7 @@ one line per mode, and tabulates auto against mode off and against the best fixe
     python -m benchmarks.sweep --device cuda --parts random     # about 12 minutes on one H200
     python -m benchmarks.sweep --device cuda --parts smollm2    # then: benchmarks.sweep_report DIR1 DIR2
     python -m benchmarks.sweep --device cpu --tiny --acceptance 0 0.8 --concurrency 1 4   # smoke
+    python -m benchmarks.sweep --drafter-gpus 0 --verifier-gpus 1,2 --tp 2 ...   # disaggregated (compose's shape)
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--waves", type=int, default=3, help="measured waves per row; the row is their median")
+    p.add_argument("--drafter-gpus", default=None, help="CUDA_VISIBLE_DEVICES of the drafters (default: shared)")
+    p.add_argument("--verifier-gpus", default=None, help="CUDA_VISIBLE_DEVICES of the verifier (default: shared)")
+    p.add_argument("--tp", type=int, default=1, help="the verifier's tensor-parallel ranks (--verifier-gpus)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "out" / "sweep")
     p.add_argument("--report", type=Path, default=REPO / "BENCHMARKS.md")
@@ -63,6 +67,7 @@ def main(argv: list[str] | None = None) -> Path:
     random_cells = _ordered(_cells(a.acceptance, a.concurrency, a.modes)) if "random" in a.parts else ()
     smol_cells = _ordered(_cells([None], a.concurrency, a.modes)) if "smollm2" in a.parts else ()
     dtype, work, meta = start_run(a, "benchmarks.sweep", argv)
+    meta["placement"] = placement(a).describe()
     state = SuiteState(a.out_dir, meta, tqdm(total=len(random_cells) + len(smol_cells), desc="sweep rows",
                                              file=sys.stderr))
     try:
@@ -78,6 +83,12 @@ def main(argv: list[str] | None = None) -> Path:
         sweep_report.install(a.out_dir, a.report)
     print(f"\nresults: {a.out_dir / 'results.json'}; section: {a.out_dir / 'section.md'}", flush=True)
     return a.out_dir / "results.json"
+
+
+def placement(a):
+    from benchmarks.gateway_runs import Placement
+
+    return Placement(a.drafter_gpus, a.verifier_gpus, a.tp)
 
 
 def _random_part(a, cells, dtype: str, work: Path, state: SuiteState) -> None:
@@ -98,7 +109,7 @@ def _random_part(a, cells, dtype: str, work: Path, state: SuiteState) -> None:
         state.meta.update(pair=pair.name, prompts=f"{len(prompts)} random token-id prompts of {lengths[0]}-"
                           f"{lengths[1]} tokens (seed {a.seed})", engine_settings=settings.__dict__)
         with ExitStack() as stack:
-            services = Services(pair, a.device, dtype, settings, work)
+            services = Services(pair, a.device, dtype, settings, work, placement(a))
             stack.callback(services.stop)
             with state.phase("reference pass"):   # the target's own continuations, for the controlled drafters
                 engines = load_engines(pair, a.device, dtype, settings)
@@ -133,7 +144,8 @@ def _smollm2_part(a, cells, work: Path, state: SuiteState) -> None:
     prompts = chat_prompts(pair.target, most, heldout=True)
     settings = EngineSettings(max_sequences=most, cuda_graphs=a.device == "cuda", max_context=1024)
     (work / "smollm2").mkdir(exist_ok=True)
-    services = Services(pair, a.device, "bfloat16" if a.device == "cuda" else "float32", settings, work / "smollm2")
+    services = Services(pair, a.device, "bfloat16" if a.device == "cuda" else "float32", settings, work / "smollm2",
+                        placement(a))
     try:
         with state.phase("smollm2 services start"):
             services.start_verifier()

@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not an installed package
 
 from benchmarks import report, run  # noqa: E402
@@ -134,7 +136,30 @@ def test_tiny_concurrency_sweep_with_auto(tmp_path):
         assert on["accepted"] > 0, on
         if by_cell[("chain k=2", 1.0, c)]["tok_s"] >= 1.3 * by_cell[("off", None, c)]["tok_s"]:
             assert on["accept_len"] > 2.0, on
+    # the gateway's step split over each measured wave: overlap's pre-drafts ran beside the verify
+    for (config, a, c), r in by_cell.items():
+        if config == "off":
+            assert r["overlap_hidden"] is None and r["draft_ms"] == 0, r
+        elif config == "chain k=2":
+            assert r["draft_ms"] > 0 and r["predraft_ms"] > 0 and 0 < r["overlap_hidden"] <= 1, r
+            assert r["predraft_exposed_ms"] <= r["predraft_ms"], r
     text = md.read_text()
     assert "suite" in text and text.count(sweep_report.BEGIN) == 1 and sweep_report.END in text
     section = text.split(sweep_report.BEGIN)[1]
     assert "### tiny random, a = 1" in section and "auto / best fixed" in section and "### Aims" in section
+
+
+def test_step_split_share_of_drafter_time_hidden():
+    """Over 10 gateway steps: 20 ms of drafts before the verify, 60 ms of pre-drafts beside it of
+    which 6 ms outlasted the verdict -> 54 of the drafter's 80 ms were off the step's path."""
+    from benchmarks.step_split import split
+
+    before = {"step": (1.0, 5), "draft": (0.5, 2), "predraft": (0.3, 3), "predraft_exposed": (0.01, 3)}
+    after = {"step": (2.0, 15), "draft": (0.52, 4), "predraft": (0.36, 13), "predraft_exposed": (0.016, 13)}
+    got = split(before, after)
+    assert got["draft_ms"] == pytest.approx(2.0) and got["predraft_ms"] == pytest.approx(6.0)
+    assert got["predraft_exposed_ms"] == pytest.approx(0.6)
+    assert got["overlap_hidden"] == pytest.approx(54 / 80)
+    assert split(before, before) == {}                                    # no step between: nothing to say
+    idle = dict(before, step=(1.5, 9))
+    assert split(before, idle)["overlap_hidden"] is None                  # steps but no drafts (mode off)
