@@ -92,8 +92,8 @@ class EngineServiceConfig:
                        help=f"tensor-parallel ranks (env SPECDEC_{key}_TP or SPECDEC_TP): GPUs on cuda, processes on cpu")
         p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
                        default=env("CUDA_GRAPHS", "1") not in ("0", "false", "no"),
-                       help="capture the repeating step forwards as CUDA graphs at start-up (cuda, --tp 1; "
-                            "env SPECDEC_CUDA_GRAPHS=0 turns it off)")
+                       help="capture the repeating step forwards as CUDA graphs at start-up (cuda; every "
+                            "verifier rank, a drafter at --tp 1 only; env SPECDEC_CUDA_GRAPHS=0 turns it off)")
         add_metrics_argument(p, key)
         add_drain_argument(p)
         add_server_tls_arguments(p)

@@ -85,7 +85,10 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
         await state.set_serving(False)
         loop = asyncio.get_running_loop()
         try:
-            if cfg.cuda_graphs and cfg.device == "cuda" and cfg.tp == 1 and (runner is not None or eagle3):
+            # A tensor-parallel drafter runs eagerly: its whole-chain graphs drive the model directly,
+            # which the other ranks would not follow.
+            graphs = cfg.cuda_graphs and cfg.device == "cuda" and (cfg.tp == 1 or cfg.role == "verifier")
+            if graphs and (runner is not None or eagle3):
                 if cfg.role == "drafter":  # catch-up feeds, whole greedy chains and trees
                     await loop.run_in_executor(executor, engine.capture_cuda_graphs, log)
                 else:  # chains and trees of up to max_draft_tokens nodes plus the root
@@ -101,7 +104,8 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
                          seconds_b1={c.shape: round(c.seconds, 6) for c in costs if c.batch == 1})
         except Exception as exc:
             log.exception("start-up failed; exiting")
-            raise SystemExit(f"{cfg.role}: graph capture or warm-up failed, the engine cannot serve: {exc}") from exc
+            raise SystemExit(f"{cfg.role}: graph capture or warm-up failed, the engine cannot serve: {exc} "
+                             "(--no-cuda-graphs serves without graphs)") from exc
         await state.set_serving(True)
         log.info("ready")
 

@@ -46,13 +46,15 @@ def test_nccl_group_of_one_runs_the_leader_path(checkpoints):
     assert "nccl ok True" in out.stdout
 
 
+@pytest.mark.parametrize("graphs", ["--cuda-graphs", "--no-cuda-graphs"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_cuda_tp_verifier_matches_hf(tp, checkpoints, start_cluster):
+def test_cuda_tp_verifier_matches_hf(tp, graphs, checkpoints, start_cluster):
+    """Every rank captures the verify graphs (their all-reduces inside) and replays them in step."""
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs; {torch.cuda.device_count()} visible")
     target = checkpoints["llama-gqa"]
     cluster = start_cluster(target, checkpoints["llama-gqa/draft"], device="cuda", dtype="float32",
-                            verifier_extra=["--tp", str(tp)])
+                            verifier_extra=["--tp", str(tp), graphs])
     for mode, spec in [("off", {}), ("chain", {"k": 3}), ("tree", {"topk": 2, "depth": 3, "budget": 6})]:
         ids, _ = cluster.generate([1, 17, 42, 99, 5], 20, mode, **spec)
         assert ids == hf_greedy(target, [1, 17, 42, 99, 5], 20)

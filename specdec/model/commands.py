@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-COMMANDS = ("stop", "allocate_kv", "forward", "move", "copy_prefix")
+COMMANDS = ("stop", "allocate_kv", "forward", "move", "copy_prefix", "capture_cuda_graphs")
 DTYPES = (torch.int64, torch.bool, torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32,
           torch.int8)
 NONE, INT, TENSOR = 0, 1, 2

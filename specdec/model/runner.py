@@ -35,7 +35,9 @@ class ModelRunner:
                              self.dtype, self.device)
 
     def capture_cuda_graphs(self, max_batch: int, query_lens: tuple[int, ...], log=None) -> None:
-        """Capture the repeating forwards (see cuda_graphs.py); single-rank CUDA only."""
+        """Capture the repeating forwards (see cuda_graphs.py), CUDA only. Under tensor parallelism
+        every rank captures the same shapes in the same order (their collectives are captured with
+        them) and replays the same graph for each forward command, so the collectives stay paired."""
         sizes = batch_buckets(max_batch)
         if self.aux_layers:
             forward = lambda batch: self.model.forward_with_aux(batch, self.cache, self.aux_layers)  # noqa: E731
@@ -88,6 +90,10 @@ class TPLeader(ModelRunner):
         self._broadcast("allocate_kv", num_slots, slot_len)
         super().allocate_kv(num_slots, slot_len)
 
+    def capture_cuda_graphs(self, max_batch: int, query_lens: tuple[int, ...], log=None) -> None:
+        self._broadcast("capture_cuda_graphs", max_batch, torch.tensor(query_lens, dtype=torch.long))
+        super().capture_cuda_graphs(max_batch, query_lens, log)
+
     def forward(self, batch: ForwardBatch, logit_index: torch.Tensor | None = None) -> torch.Tensor:
         self._broadcast_forward(batch, logit_index)
         return super().forward(batch, logit_index)
@@ -129,5 +135,8 @@ def follow(runner: ModelRunner) -> None:
             runner.move(*args)
         elif name == "copy_prefix":
             runner.copy_prefix(*args)
+        elif name == "capture_cuda_graphs":
+            max_batch, query_lens = args
+            runner.capture_cuda_graphs(max_batch, tuple(query_lens.tolist()))
         else:
             raise RuntimeError(f"unknown tensor-parallel command {name!r}")
