@@ -53,7 +53,7 @@ class RunResult:
     min_step_accepted: int | None = None
     draft_depth: float | None = None  # in-process: mean depth of a step's draft (a chain's k)
     draft_ms: float | None = None  # mean drafter call made before a verify step (gateway: per gateway step)
-    verify_ms: float | None = None  # in-process: mean verifier call
+    verify_ms: float | None = None  # mean verifier call (gateway: its engine time per gateway step)
     predraft_ms: float | None = None           # gateway: overlap's pre-draft round trip per step
     predraft_exposed_ms: float | None = None   # gateway: what a step waited for it after the verdict
     overlap_hidden: float | None = None        # gateway: share of drafter time off the step's path

@@ -138,6 +138,7 @@ def test_tiny_concurrency_sweep_with_auto(tmp_path):
             assert on["accept_len"] > 2.0, on
     # the gateway's step split over each measured wave: overlap's pre-drafts ran beside the verify
     for (config, a, c), r in by_cell.items():
+        assert r["verify_ms"] > 0, r
         if config == "off":
             assert r["overlap_hidden"] is None and r["draft_ms"] == 0, r
         elif config == "chain k=2":
@@ -154,9 +155,12 @@ def test_step_split_share_of_drafter_time_hidden():
     which 6 ms outlasted the verdict -> 54 of the drafter's 80 ms were off the step's path."""
     from benchmarks.step_split import split
 
-    before = {"step": (1.0, 5), "draft": (0.5, 2), "predraft": (0.3, 3), "predraft_exposed": (0.01, 3)}
-    after = {"step": (2.0, 15), "draft": (0.52, 4), "predraft": (0.36, 13), "predraft_exposed": (0.016, 13)}
+    before = {"step": (1.0, 5), "verify_engine": (0.8, 5), "draft": (0.5, 2), "predraft": (0.3, 3),
+              "predraft_exposed": (0.01, 3)}
+    after = {"step": (2.0, 15), "verify_engine": (0.85, 15), "draft": (0.52, 4), "predraft": (0.36, 13),
+             "predraft_exposed": (0.016, 13)}
     got = split(before, after)
+    assert got["verify_ms"] == pytest.approx(5.0)
     assert got["draft_ms"] == pytest.approx(2.0) and got["predraft_ms"] == pytest.approx(6.0)
     assert got["predraft_exposed_ms"] == pytest.approx(0.6)
     assert got["overlap_hidden"] == pytest.approx(54 / 80)
