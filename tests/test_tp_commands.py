@@ -1,12 +1,14 @@
 """The tensor-parallel command path on CPU (gloo): the other ranks execute what rank 0's TPLeader
 sends, with the same arguments. CUDA-graph capture travels this way too: every rank must capture
-the same shapes in the same order, or their captured all-reduces would pair up wrongly."""
+the same shapes in the same order, or their captured all-reduces would pair up wrongly. And the
+all-reduce benchmark runs the collectives of a verifier step."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import threading
 
+import pytest
 import torch
 import torch.distributed as dist
 from cluster import free_port
@@ -63,3 +65,20 @@ def test_followers_capture_the_leaders_graph_shapes(monkeypatch):
         dist.destroy_process_group()
         if follower.is_alive():
             follower.kill()
+
+
+def test_allreduce_benchmark_runs_a_verifier_steps_collectives():
+    """scripts/bench_allreduce.py on gloo: 2 all-reduces per layer and one logits all-gather, and
+    the bytes a rank sends for them (SmolLM2: 30 layers x 576 bf16 values, 49152 / 2 fp32 logits)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_allreduce
+
+    rows = bench_allreduce.main(["--device", "cpu", "--tp", "2", "--shape", "smollm2-135m", "--tokens", "1", "4",
+                                 "--steps", "2", "--json"])
+    assert [r["tokens"] for r in rows] == [1, 4] and all(r["collectives_per_step"] == 61 for r in rows)
+    per_token = (60 * 576 * 2 + 24576 * 4) / 1e6     # ring all-reduce at TP 2 sends the whole tensor once
+    assert [r["mb_sent_per_rank"] for r in rows] == [pytest.approx(per_token), pytest.approx(4 * per_token)]
+    assert all(r["ms_p50"] > 0 for r in rows)
