@@ -32,7 +32,7 @@ from torch import nn
 from kernels.triton_support import use_triton
 from specdec.model.batch import ForwardBatch
 from specdec.model.kv_cache import KVCache
-from specdec.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from specdec.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, SkinnyLinear, replace_linears
 from specdec.model.llama import Attention
 from specdec.model.parallel import TPLayout
 from specdec.model.spec import ModelSpec
@@ -146,4 +146,6 @@ def load_eagle3(head_dir: str | Path, target: ModelSpec, dtype: torch.dtype, dev
     buffers = {"d2t": torch.long, "t2d": torch.bool}
     head.load_state_dict({k: v.to(buffers.get(k, dtype)) for k, v in state.items()}, assign=True)
     head.rotary.inv_freq = spec.layer.rope_inv_freq()[0]
+    if device.type == "cpu":
+        replace_linears(head, SkinnyLinear)
     return head.to(device).eval()

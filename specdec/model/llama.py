@@ -15,7 +15,8 @@ from kernels.tree_attention import tree_attention
 from kernels.triton_support import use_triton
 from specdec.model.batch import ForwardBatch
 from specdec.model.kv_cache import KVCache
-from specdec.model.layers import GatedMLP, InvariantLinear, RMSNorm, RotaryEmbedding, apply_rotary, concat_linear
+from specdec.model.layers import (GatedMLP, InvariantLinear, RMSNorm, RotaryEmbedding, apply_rotary, concat_linear,
+                                   replace_linears)
 from specdec.model.parallel import TPLayout, all_reduce, gather_vocab
 from specdec.model.spec import ModelSpec
 
@@ -125,10 +126,8 @@ class LlamaForCausalLM(nn.Module):
         """Every matmul and attention call with one tile shape and reduction order whatever the
         batch (kernels/invariant_matmul.py): a sequence's logits no longer depend on the mode, the
         draft size or the other sequences in the step. Costs speed; see --batch-invariant."""
-        for name, module in list(self.named_modules()):
-            for child_name, child in list(module.named_children()):
-                if type(child) is nn.Linear:
-                    setattr(module, child_name, InvariantLinear.from_linear(child))
+        replace_linears(self, InvariantLinear)
+        for module in self.modules():
             if isinstance(module, Attention):
                 module.batch_invariant = True
 

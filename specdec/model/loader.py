@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from kernels.triton_support import use_triton
 
+from specdec.model.layers import SkinnyLinear, replace_linears
 from specdec.model.llama import LlamaForCausalLM
 from specdec.model.parallel import TPLayout
 from specdec.model.spec import ModelSpec
@@ -71,6 +72,8 @@ def load_model(
         model.fuse_projections()
     if batch_invariant:
         model.make_batch_invariant()
+    elif device.type == "cpu":
+        replace_linears(model, SkinnyLinear)
     return model
 
 
