@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import threading
+from datetime import timedelta
 
 import pytest
 import torch
@@ -14,6 +15,9 @@ import torch.distributed as dist
 from cluster import free_port
 
 from specdec.model.runner import ModelRunner, TPLeader, follow
+
+
+TIMEOUT = timedelta(seconds=60)   # a rank that never comes fails the test instead of hanging it
 
 
 class _Recorder:
@@ -32,7 +36,7 @@ class _Recorder:
 
 
 def _follower(port: int, out) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2, timeout=TIMEOUT)
     runner = _Recorder()
     follow(runner)
     out.put(runner.calls)
@@ -45,7 +49,7 @@ def test_followers_capture_the_leaders_graph_shapes(monkeypatch):
     out = ctx.Queue()
     follower = ctx.Process(target=_follower, args=(port, out))
     follower.start()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2, timeout=TIMEOUT)
     try:
         mine: list[tuple] = []
         monkeypatch.setattr(ModelRunner, "allocate_kv", lambda self, n, length: mine.append(("allocate_kv", n, length)))
