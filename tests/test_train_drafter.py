@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,3 +175,19 @@ def test_cli_trains_and_saves_a_loadable_head(checkpoints, tmp_path):
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "answering prompts" not in again.stderr
+
+
+def test_eval_head_script_reports_both_figures(checkpoints, tmp_path):
+    """scripts/eval_head.py on a tiny target and a random head: every-root and decoding figures,
+    consistent with each other (a chain of 2 commits 1..3 tokens a step)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import eval_head
+
+    target = checkpoints["llama-gqa"]
+    write_head(target, tmp_path / "head", seed=1)
+    got = eval_head.main(["--target", str(target), "--head", str(tmp_path / "head"), "--num-prompts", "3",
+                          "--max-new-tokens", "12", "--k", "2", "--json"])
+    assert got["prompts"] == 3 and got["answer_tokens"] > 0 and len(got["per_position_every_root"]) == 2
+    assert got["decode_steps"] > 0 and 0 <= got["first_draft_right_decoding"] <= 1
+    for key in ("mean_accepted_length_every_root", "mean_accepted_length_decoding"):
+        assert 1.0 <= got[key] <= 3.0, got
