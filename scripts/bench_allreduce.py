@@ -21,6 +21,7 @@ import socket
 import statistics
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -57,7 +58,7 @@ def _rank(rank: int, a: argparse.Namespace, port: int, out) -> None:
         torch.cuda.set_device(rank)
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=a.tp, device_id=device if cuda else None)
+                            world_size=a.tp, device_id=device if cuda else None, timeout=timedelta(minutes=2))
     shape, dtype = SHAPES[a.shape], getattr(torch, a.dtype)
     layers, h = shape["num_hidden_layers"], shape["hidden_size"]
     shard = -(-shape["vocab_size"] // a.tp)
