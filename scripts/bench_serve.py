@@ -47,6 +47,7 @@ CONFIGS = {
     "chain k=4 no-overlap": ("chain", {"k": 4, "overlap": False}),
     "tree topk=2": ("tree", {"topk": 2, "depth": 4, "budget": 8}),
     "tree topk=4": ("tree", {"topk": 4, "depth": 5, "budget": 16}),
+    "auto": ("auto", {}),   # the server picks per step (README "--mode auto")
 }
 
 
