@@ -6,8 +6,10 @@ all-reduce benchmark runs the collectives of a verifier step."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import sys
 import threading
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,9 +76,6 @@ def test_followers_capture_the_leaders_graph_shapes(monkeypatch):
 def test_allreduce_benchmark_runs_a_verifier_steps_collectives():
     """scripts/bench_allreduce.py on gloo: 2 all-reduces per layer and one logits all-gather, and
     the bytes a rank sends for them (SmolLM2: 30 layers x 576 bf16 values, 49152 / 2 fp32 logits)."""
-    import sys
-    from pathlib import Path
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import bench_allreduce
 
