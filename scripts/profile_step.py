@@ -9,6 +9,7 @@ the same run; "of limit" = limit / step time.
 
     python scripts/profile_step.py --model DIR --device cuda --batch 1 16 --k 0 4
     python scripts/profile_step.py            (the embedded SmolLM2 target)
+    python scripts/profile_step.py --model DIR --tp 2 --cuda-graphs   (rank 0's shard: bytes and limit per GPU)
 """
 
 from __future__ import annotations
@@ -96,8 +97,24 @@ def bytes_per_step(engine: VerifierEngine, batch: int, context: int) -> int:
             continue
         total += p.numel() * p.element_size()
     spec = engine.spec
-    kv = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * engine.runner.dtype.itemsize
+    kv = 2 * spec.num_layers * model.layout.kv_heads * spec.head_dim * engine.runner.dtype.itemsize  # this rank's
     return total + batch * context * kv
+
+
+def make_runner(a, dtype: torch.dtype, device: torch.device) -> ModelRunner:
+    """One rank's runner, or with --tp the tensor-parallel leader (the other ranks are spawned and
+    follow it, exactly as in the verifier service)."""
+    if a.tp == 1:
+        return ModelRunner(load_model(a.model, dtype, device, fuse=False if a.no_fuse else None,
+                                      batch_invariant=a.batch_invariant))
+    import structlog
+
+    from specdec.config import EngineServiceConfig
+    from specdec.tensor_parallel import build_runner
+
+    cfg = EngineServiceConfig("verifier", Path(a.model), "", device.type, str(dtype).removeprefix("torch."),
+                              max(a.batch), 4096, 64, a.tp, batch_invariant=a.batch_invariant)
+    return build_runner(cfg, structlog.get_logger(service="profile_step"))
 
 
 def main() -> None:
@@ -114,22 +131,24 @@ def main() -> None:
     p.add_argument("--no-fuse", action="store_true", help="the reference forward (separate projections, "
                    "unfused norms and RoPE) instead of the fused one")
     p.add_argument("--batch-invariant", action="store_true", help="the batch-invariant matmuls and attention")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs 0..tp-1, or gloo processes on "
+                   "cpu); bytes and the limit are then rank 0's shard: the share of the limit reached per GPU")
     a = p.parse_args()
+    if a.tp > 1 and a.no_fuse:
+        p.error("--no-fuse applies to one rank only")
     if a.model is None:
         from specdec.embedded_model import ensure_embedded_models
 
         a.model = ensure_embedded_models()[0]
     device = torch.device(a.device)
     dtype = DTYPES[a.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
-    engine = VerifierEngine(ModelRunner(load_model(a.model, dtype, device, fuse=False if a.no_fuse else None,
-                                                       batch_invariant=a.batch_invariant)),
-                            max(a.batch), 4096, 64)
+    engine = VerifierEngine(make_runner(a, dtype, device), max(a.batch), 4096, 64)
     if a.cuda_graphs:
         engine.runner.capture_cuda_graphs(max(a.batch), tuple(sorted({k + 1 for k in a.k})))
     rng = random.Random(0)
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     print(f"model={Path(a.model).name} device={device} dtype={dtype} cuda_graphs={a.cuda_graphs} "
-          f"fused={engine.runner.model.fused} batch_invariant={a.batch_invariant}"
+          f"fused={engine.runner.model.fused} batch_invariant={a.batch_invariant} tp={engine.runner.model.layout.world}"
           + (f" copy_bandwidth={bandwidth / 1e12:.2f} TB/s" if bandwidth else ""))
     print("| batch | k | step ms p50 | step ms min | forward ms p50 | limit ms | step of limit | forward of limit |")
     print("|---|---|---|---|---|---|---|---|")
@@ -156,6 +175,7 @@ def main() -> None:
                 if device.type == "cuda":
                     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
             engine.close(ids)
+    engine.runner.shutdown()   # the other ranks exit
 
 
 if __name__ == "__main__":

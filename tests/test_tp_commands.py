@@ -85,3 +85,16 @@ def test_allreduce_benchmark_runs_a_verifier_steps_collectives():
     per_token = (60 * 576 * 2 + 24576 * 4) / 1e6     # ring all-reduce at TP 2 sends the whole tensor once
     assert [r["mb_sent_per_rank"] for r in rows] == [pytest.approx(per_token), pytest.approx(4 * per_token)]
     assert all(r["ms_p50"] > 0 for r in rows)
+
+
+def test_profile_step_times_a_tensor_parallel_verifier(checkpoints):
+    """scripts/profile_step.py --tp 2 drives the TP leader with its follower spawned, and exits."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "profile_step.py"
+    done = subprocess.run([sys.executable, str(script), "--model", str(checkpoints["llama-gqa"]), "--device", "cpu",
+                           "--tp", "2", "--batch", "1", "2", "--k", "0", "3", "--steps", "2", "--prompt-len", "8"],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 4 and " tp=2" in done.stdout, done.stdout
