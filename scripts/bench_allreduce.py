@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import queue
-import socket
 import statistics
 import sys
 import time
@@ -29,7 +28,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # allow running without installing
 from random_checkpoint import SHAPES  # noqa: E402
+
+from specdec.launcher import free_port  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -93,9 +95,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if a.device == "cuda" and torch.cuda.device_count() < a.tp:
         raise SystemExit(f"--tp {a.tp} needs {a.tp} GPUs; {torch.cuda.device_count()} are visible")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")   # the device notes: NVLink multicast stays off
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, a, port, out)) for r in range(a.tp)]

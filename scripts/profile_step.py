@@ -101,18 +101,18 @@ def bytes_per_step(engine: VerifierEngine, batch: int, context: int) -> int:
     return total + batch * context * kv
 
 
-def make_runner(a, dtype: torch.dtype, device: torch.device) -> ModelRunner:
+def make_runner(a, dtype_name: str, device: torch.device) -> ModelRunner:
     """One rank's runner, or with --tp the tensor-parallel leader (the other ranks are spawned and
     follow it, exactly as in the verifier service)."""
     if a.tp == 1:
-        return ModelRunner(load_model(a.model, dtype, device, fuse=False if a.no_fuse else None,
+        return ModelRunner(load_model(a.model, DTYPES[dtype_name], device, fuse=False if a.no_fuse else None,
                                       batch_invariant=a.batch_invariant))
     import structlog
 
     from specdec.config import EngineServiceConfig
     from specdec.tensor_parallel import build_runner
 
-    cfg = EngineServiceConfig("verifier", Path(a.model), "", device.type, str(dtype).removeprefix("torch."),
+    cfg = EngineServiceConfig("verifier", Path(a.model), "", device.type, dtype_name,
                               max(a.batch), 4096, 64, a.tp, batch_invariant=a.batch_invariant)
     return build_runner(cfg, structlog.get_logger(service="profile_step"))
 
@@ -141,8 +141,9 @@ def main() -> None:
 
         a.model = ensure_embedded_models()[0]
     device = torch.device(a.device)
-    dtype = DTYPES[a.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
-    engine = VerifierEngine(make_runner(a, dtype, device), max(a.batch), 4096, 64)
+    dtype_name = a.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = DTYPES[dtype_name]
+    engine = VerifierEngine(make_runner(a, dtype_name, device), max(a.batch), 4096, 64)
     if a.cuda_graphs:
         engine.runner.capture_cuda_graphs(max(a.batch), tuple(sorted({k + 1 for k in a.k})))
     rng = random.Random(0)
