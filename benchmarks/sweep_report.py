@@ -87,11 +87,15 @@ def _figure(pair: str, a: float | None, rows: list[RunResult], meta: dict, path:
         ax.grid(alpha=0.3, which="both")
     left.legend(fontsize=7)
     what = "real acceptance" if a is None else f"a = {a:g}"
-    fig.suptitle(f"{pair}, {what} ({meta['gpu']}; {meta.get('placement', 'drafter and verifier share it')})",
-                 fontsize=10)
+    fig.suptitle(f"{pair}, {what} ({meta['gpu']}; {_placement(meta)})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _placement(meta: dict) -> str:
+    """Where the engines ran (runs before the sweep recorded it shared one GPU)."""
+    return meta.get("placement", "drafter and verifier share it")
 
 
 def _name(pair: str, a: float | None) -> str:
@@ -130,7 +134,7 @@ def section(rows: list[RunResult], meta: dict, out_dir: Path) -> str:
                         "auto / off", "auto / best fixed"], body), ""]
         hidden = overlap_rows(mine)
         if hidden:
-            out += [f"Overlap ({meta.get('placement', 'drafter and verifier share it')}), chain k=4; per gateway "
+            out += [f"Overlap ({_placement(meta)}), chain k=4; per gateway "
                     "step, ms:", "",
                     _table(["C", "drafter time hidden", "pre-draft hit", "pre-draft", "waited for it after the verdict",
                             "draft without overlap", "overlap / no overlap"], hidden), ""]
@@ -144,7 +148,7 @@ def section(rows: list[RunResult], meta: dict, out_dir: Path) -> str:
                 f"aim >= {AIM_SHORTFALL:.2f}. Points below the aim: {sum(v < AIM_SHORTFALL for v, *_ in worst_off)}."]
         hidden = [r.overlap_hidden for r in rows if r.config == "chain k=4" and r.overlap_hidden is not None]
         if hidden:
-            out.append(f"- Drafter time hidden by overlap (chain k=4, {meta.get('placement', 'shared GPU')}): "
+            out.append(f"- Drafter time hidden by overlap (chain k=4, {_placement(meta)}): "
                        f"{min(hidden):.0%} to {max(hidden):.0%}; aim >= 80% with the drafter on a GPU of its own.")
         for c, aim in ((1, 2.0), (32, 1.1)):
             hit = [v for v, pair, a, cc in worst_off if a == 0.8 and cc == c]
