@@ -129,8 +129,9 @@ def test_tiny_concurrency_sweep_with_auto(tmp_path):
     assert all(r["same_as_off"] == 1.0 for r in auto.values())
     for c in (1, 3):
         off, on = auto[(0.0, c)], auto[(1.0, c)]
-        # off: a few tries while the drafter is new, far below chain k=2's two tokens every step
-        assert off["accepted"] == 0 and off["drafted"] <= off["steps"] // 2, off
+        # off: a few tries while the drafter is new (up to chain k=8 each), far below chain k=2's two
+        # tokens every step: at most one draft token per step on average
+        assert off["accepted"] == 0 and off["drafted"] <= off["steps"], off
         # a = 1: auto tries speculation, and uses it whenever speculation measurably paid in this
         # run (on a loaded 2-core CI machine a drafter step can cost more than it saves)
         assert on["accepted"] > 0, on
