@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> Path:
     smol_cells = _ordered(_cells([None], a.concurrency, a.modes)) if "smollm2" in a.parts else ()
     dtype, work, meta = start_run(a, "benchmarks.sweep", argv)
     meta["placement"] = placement(a).describe()
+    meta["waves"] = a.waves
     state = SuiteState(a.out_dir, meta, tqdm(total=len(random_cells) + len(smol_cells), desc="sweep rows",
                                              file=sys.stderr))
     try:
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> Path:
     finally:
         state.bar.close()
         state.save()
-        (a.out_dir / "section.md").write_text(sweep_report.section(state.rows, meta, a.out_dir))
+        (a.out_dir / "section.md").write_text(sweep_report.section([(state.rows, meta)], a.out_dir))
     if not a.no_report:
         sweep_report.install(a.out_dir, a.report)
     print(f"\nresults: {a.out_dir / 'results.json'}; section: {a.out_dir / 'section.md'}", flush=True)

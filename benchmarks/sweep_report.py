@@ -4,8 +4,8 @@ Written into BENCHMARKS.md between its own markers (benchmarks/report.py's insta
 
     python -m benchmarks.sweep_report OUT_DIR [MORE_DIRS ...] [--report BENCHMARKS.md]
 
-renders the section again from results.json (several runs merged, e.g. brought back from the GPU
-machine in parts) into --render-dir and installs it."""
+renders the section again from results.json (several runs, e.g. brought back from the GPU machine in
+parts, each compared with its own mode off) into --render-dir and installs it."""
 
 from __future__ import annotations
 
@@ -103,18 +103,23 @@ def _name(pair: str, a: float | None) -> str:
     return f"sweep_{tag}_{'real' if a is None else f'a{a:g}'}".replace(".", "")
 
 
-def section(rows: list[RunResult], meta: dict, out_dir: Path) -> str:
+def section(runs: list[tuple[list[RunResult], dict]], out_dir: Path) -> str:
+    """runs: (rows, metadata) per sweep command, e.g. the random pair's acceptances split over
+    device calls; each run's rows are compared with that run's own mode off."""
+    meta = runs[0][1]
+    waves = meta.get("waves", 1)
     out = [BEGIN, "## Concurrency sweep: every mode and `--mode auto`, through the gateway", "",
            f"{meta['date']}, {meta['machine']}, torch {meta['torch']}, {meta['dtype']}; {meta['max_new_tokens']} new "
-           "tokens per sequence, greedy, one wave of C sequences per row; every number from this one run, mode "
-           "off included. Random pair: controlled acceptance a (benchmarks/run.py explains it); SmolLM2: its "
-           "shipped EAGLE-3 head on held-out chat prompts. auto is one gateway per pair and a, so what it "
-           "learned at one C carries to the next, as in a running server.", "", "```", meta["command"], "```", ""]
+           f"tokens per sequence, greedy; each row the median of {waves} wave{'s' * (waves > 1)} of C sequences "
+           "started together; every ratio against mode off of the same run. Random pair: controlled acceptance a "
+           "(benchmarks/run.py explains it); SmolLM2: its shipped EAGLE-3 head on held-out chat prompts. auto is "
+           "one gateway per pair and a, so what it learned at one C carries to the next, as in a running server.",
+           "", "```", *(m["command"] for _, m in runs), "```", ""]
     plots = importlib.util.find_spec("matplotlib") is not None
     if not plots:
         out += ["(plots skipped: `pip install -e '.[bench]'` adds matplotlib)", ""]
     worst_best, worst_off = [], []
-    for pair, a, mine in groups(rows):
+    for pair, a, mine in [g for rows, _ in runs for g in groups(rows)]:
         name = _name(pair, a)
         out += [f"### {pair}, {'real acceptance' if a is None else f'a = {a:g}'}", ""]
         if plots:
@@ -146,7 +151,8 @@ def section(rows: list[RunResult], meta: dict, out_dir: Path) -> str:
                 f"{sum(v < AIM_SHORTFALL for v, *_ in worst_best)} of {len(worst_best)}.",
                 f"- auto against mode off, worst point: {vo[0]:.2f} ({vo[1]}, a = {_f(vo[2], '{:g}')}, C = {vo[3]}); "
                 f"aim >= {AIM_SHORTFALL:.2f}. Points below the aim: {sum(v < AIM_SHORTFALL for v, *_ in worst_off)}."]
-        hidden = [r.overlap_hidden for r in rows if r.config == "chain k=4" and r.overlap_hidden is not None]
+        hidden = [r.overlap_hidden for rows, _ in runs for r in rows
+                  if r.config == "chain k=4" and r.overlap_hidden is not None]
         if hidden:
             out.append(f"- Drafter time hidden by overlap (chain k=4, {_placement(meta)}): "
                        f"{min(hidden):.0%} to {max(hidden):.0%}; aim >= 80% with the drafter on a GPU of its own.")
@@ -169,11 +175,11 @@ def main() -> None:
     p.add_argument("--report", type=Path, default=Path(__file__).resolve().parents[1] / "BENCHMARKS.md")
     p.add_argument("--render-dir", type=Path, default=Path(__file__).resolve().parent / "out" / "sweep-render")
     a = p.parse_args()
-    rows, meta = load(a.out_dirs)
+    runs = [load([d]) for d in a.out_dirs]
     a.render_dir.mkdir(parents=True, exist_ok=True)
     for stale in a.render_dir.glob("*.png"):
         stale.unlink()
-    (a.render_dir / "section.md").write_text(section(rows, meta, a.render_dir))
+    (a.render_dir / "section.md").write_text(section(runs, a.render_dir))
     install(a.render_dir, a.report)
     print(f"installed {a.render_dir / 'section.md'} into {a.report}")
 

@@ -121,7 +121,7 @@ class Scheduler:
         prefilling = any(r.opening for r in self.active.values())
         continuing = [r for r in self.active.values() if not r.opening and not self.hold.held(r)]
         if self.auto is not None:
-            self.auto.plan(continuing)
+            self.auto.plan(continuing, prefilling)
         started = time.perf_counter()
         self.tally.queue.set(len(self.pending))
         self.tally.active.set(len(self.active))
@@ -145,9 +145,11 @@ class Scheduler:
         (verdicts, verify_rtt), predraft = await asyncio.gather(timed(self.verifier.step(verify_msg)),
                                                                 self._draft_all(overlap, predraft=True))
         waited = time.perf_counter() - started   # for the drafts, then the verify (and pre-drafts)
-        if self.auto is not None and continuing and not prefilling:   # (a prefill would blur the step's cost)
-            self.auto.observe_step(waited)
         self._apply_verdicts(verdicts)
+        if self.auto is not None and continuing and not prefilling:   # (a prefill would blur the step's cost)
+            # The whole step after the plan: what the gateway does per step for a choice (draft
+            # messages, tree packing, verdicts, emission) counts as much as the services' time.
+            self.auto.observe_step(time.perf_counter() - started)
         self.tally.flush(time.perf_counter() - t0, waited, (verify_rtt, verdicts.engine_seconds), draft,
                          predraft[0])
 

@@ -57,7 +57,12 @@ class AutoController:
             self.costs = CostModel(self.verifier_costs, drafter, shared_accelerator=shared)
             self.log.info("auto mode costs", drafter_shares_the_verifier_accelerator=shared)
         if overlap_allowed not in self.policies:
-            choices = menu(self.costs, self.max_draft_tokens, overlap_allowed)
+            # On a shared GPU or CPU an overlap pre-draft runs after the verify and drafts more than
+            # the draft it may save, so it never pays (0.71-0.79x of chain without overlap in the
+            # H200 sweep): it is left off the menu, which spares the policy a kind to explore.
+            # (The tests' cycling policy keeps it, to switch between every shape.)
+            overlap = overlap_allowed and (self.cycle or not self.costs.shared_accelerator)
+            choices = menu(self.costs, self.max_draft_tokens, overlap)
             # Probes after 64 steps off, then 128, ... up to 4096 (in plans of `replan_every` steps).
             self.policies[overlap_allowed] = (CyclingPolicy(choices) if self.cycle else AutoPolicy(
                 self.costs, self.book, choices, probe_start=max(1, 64 // self.replan_every),
@@ -84,7 +89,9 @@ class AutoController:
         return bool(policies) and all(p.settled_off for p in policies)
 
     # ---- before the step ---------------------------------------------------------------------
-    def plan(self, continuing: list[ActiveRequest]) -> None:
+    def plan(self, continuing: list[ActiveRequest], prefilling: bool = False) -> None:
+        """prefilling: the step also prefills prompts (its time will not be measured), so it runs
+        only choices already measured at this batch size (AutoPolicy.plan's explore=False)."""
         self.step_plans = []
         auto = [r for r in continuing if r.auto and not r.parked]
         if not auto:
@@ -95,16 +102,17 @@ class AutoController:
         for overlap_allowed in (True, False):   # requests that said overlap=false get a menu without it
             group = [r for r in auto if r.req.spec.overlap == overlap_allowed]
             if group:
-                self._plan_group(group, overlap_allowed, len(continuing) - len(group), width, fixed_tokens)
+                self._plan_group(group, overlap_allowed, len(continuing) - len(group), width, fixed_tokens,
+                                 prefilling)
 
     def _plan_group(self, group: list[ActiveRequest], overlap_allowed: bool, others: int, other_width: int,
-                    other_tokens: float) -> None:
+                    other_tokens: float, prefilling: bool) -> None:
         policy = self._policy(overlap_allowed)
         if policy is None:   # no cost profiles: the default chain (with overlap unless refused)
             choice = Choice(Mode.CHAIN, group[0].req.spec.k, overlap=overlap_allowed)
             speculating = {r.seq_id for r in group}
         else:
-            plan = self._cached_plan(policy, group, overlap_allowed, others, other_width, other_tokens)
+            plan = self._cached_plan(policy, group, overlap_allowed, others, other_width, other_tokens, prefilling)
             self.step_plans.append((policy, plan, others))
             choice, speculating = plan.choice, set(plan.speculating)
             if choice.name != self.last_choice.get(overlap_allowed):
@@ -116,18 +124,27 @@ class AutoController:
             self._apply(r, choice if r.seq_id in speculating else OFF)
 
     def _cached_plan(self, policy, group: list[ActiveRequest], overlap_allowed: bool, others: int, other_width: int,
-                     other_tokens: float) -> Plan:
+                     other_tokens: float, prefilling: bool) -> Plan:
         """A full plan every `replan_every` steps, or when the batch moves to another size bucket,
         or while the choice is changing (a plan costs 1-3 ms at batch 64 on a 2-core VM); in between
-        the last choice is kept, and a request that joined meanwhile speculates with it."""
+        the last choice is kept, and a request that joined meanwhile speculates with it. A step that
+        prefills keeps the cached plan only if its choice is measured at this batch size; else it
+        plans among off and the measured choices (where prompts arrive every step, a choice is
+        then tried only once a step without a prefill has measured it)."""
         ids = [r.seq_id for r in group]
         key = bucket(len(group) + others)
         cached = self.plans.get(overlap_allowed)
-        if cached is not None and cached.bucket == key and cached.age < self.replan_every:
+        explore = not (prefilling and isinstance(policy, AutoPolicy))
+        if (cached is not None and cached.bucket == key and cached.age < self.replan_every
+                and (explore or self._measured(policy, cached.plan))):
             cached.age += 1
             plan, known = cached.plan, cached.known
             keep = set(plan.speculating) | ({i for i in ids if i not in known} if plan.choice != OFF else set())
             return dataclasses.replace(plan, speculating=[i for i in ids if i in keep])
+        if not explore:
+            plan = policy.plan(ids, others, other_width, other_tokens, explore=False)
+            self.plans[overlap_allowed] = CachedPlan(plan, key, 1, set(ids))
+            return plan
         plan = policy.plan(ids, others, other_width, other_tokens)
         # Kept only once confirmed: a probe, a choice that differs from the last one, or one whose
         # step time at this batch size rests on fewer than three measurements (priced from another
@@ -136,11 +153,15 @@ class AutoController:
         # server where prompts keep arriving must not pay for a full plan every step).
         same = cached is not None and cached.plan.choice == plan.choice and not plan.probe
         repeats = cached.repeats + 1 if same else 0
-        measured = (not isinstance(policy, AutoPolicy)
-                    or policy.calibration.measured(plan.choice.name, plan.batch) >= CONFIRM_MEASUREMENTS)
-        confirmed = same and (measured or repeats >= CONFIRM_MEASUREMENTS)
+        confirmed = same and (self._measured(policy, plan) or repeats >= CONFIRM_MEASUREMENTS)
         self.plans[overlap_allowed] = CachedPlan(plan, key, 1 if confirmed else self.replan_every, set(ids), repeats)
         return plan
+
+    @staticmethod
+    def _measured(policy, plan: Plan) -> bool:
+        """Off, or a choice whose step time at the plan's batch size rests on measurements of its own."""
+        return (not isinstance(policy, AutoPolicy) or plan.choice == OFF
+                or policy.calibration.measured(plan.choice.name, plan.batch) >= CONFIRM_MEASUREMENTS)
 
     def _apply(self, r: ActiveRequest, c: Choice) -> None:
         r.choice = c.name
@@ -160,13 +181,18 @@ class AutoController:
             r.stats.steps_by_mode[r.choice or "off"] += 1
 
     def observe_step(self, seconds: float) -> None:
-        """The whole step's wall time (drafts, verify, pre-drafts), when one plan ran for every
-        sequence of it (the scheduler leaves out steps that also prefilled). The first few steps
+        """The step's wall time after its plan (drafts, verify, pre-drafts, the verdicts applied),
+        when one plan ran for every sequence of it (the scheduler leaves out steps that also prefilled). The first few steps
         of the gateway's life are not used: they also pay for opening streams and first allocations."""
         self.steps_seen += 1
         if len(self.step_plans) == 1 and self.steps_seen > WARMUP_STEPS:
             policy, plan, others = self.step_plans[0]
             if not others and isinstance(policy, AutoPolicy):
+                # What the policy expected of this step next to what it took (SPECDEC_LOG_LEVEL=debug).
+                self.log.debug("auto step", choice=plan.choice.name, batch=plan.batch, speculating=len(plan.speculating),
+                               probe=plan.probe, model_ms=round(plan.model_seconds * 1e3, 2),
+                               expected_ms=round(plan.expected_seconds * 1e3, 2), measured_ms=round(seconds * 1e3, 2),
+                               expected_tokens=round(plan.expected_tokens, 2))
                 policy.observe_step(plan, seconds)
 
     def forget(self, r: ActiveRequest) -> None:

@@ -104,20 +104,27 @@ class Plan:
     probe: bool = False             # one step of speculation while off wins (not to be repeated)
     batch: int = 0
     model_seconds: float = 0.0      # the step time the cost model predicts, before calibration
+    expected_tokens: float = 0.0    # tokens the batch is expected to commit
+
+    @property
+    def expected_seconds(self) -> float:
+        """The calibrated step time the choice was scored with."""
+        return self.expected_tokens / self.tokens_per_second if self.tokens_per_second > 0 else 0.0
 
 
 class AutoPolicy:
     def __init__(self, costs: CostModel, book: AcceptanceBook, choices: list[Choice], switch_margin: float = 0.03,
                  probe_start: int = 16, probe_max: int = 1024, min_observations: int = 5,
-                 challenge_every: int = 32, challenge_within: float = 0.25) -> None:
+                 challenge_every: int = 32, challenge_within: float = 0.25, min_measured: int = 3) -> None:
         """probe_start, probe_max: plans (calls of `plan`) between probes, first and at most;
         min_observations: verdicts the drafter needs before a plan trusts its acceptance (until
         then each plan is a probe); every `challenge_every` plans the best choice of another
         acceptance family, if predicted within `challenge_within` of the best, runs one step, so
-        a family that looked worse after a few unlucky verdicts is measured again."""
+        a family that looked worse after a few unlucky verdicts is measured again; min_measured:
+        measured steps that make a choice's step time at a batch size its own (not borrowed)."""
         self.costs, self.book, self.choices = costs, book, choices
         self.calibration = StepCalibration()
-        self.min_observations = min_observations
+        self.min_observations, self.min_measured = min_observations, min_measured
         self.challenge_every, self.challenge_within = challenge_every, challenge_within
         self.plans_since_challenge = 0
         self.switch_margin = switch_margin
@@ -126,24 +133,22 @@ class AutoPolicy:
         self.probe_interval = probe_start
         self.steps_off = 0
 
-    def plan(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float) -> Plan:
+    def plan(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
+             explore: bool = True) -> Plan:
         """seq_ids: the auto requests of this step; others: the step's other sequences (fixed
-        modes), the widest draft among them and the tokens they are expected to commit."""
+        modes), the widest draft among them and the tokens they are expected to commit.
+        explore=False (a step that also prefills, whose time is not measured): only off and the
+        choices whose step time at this batch size rests on `min_measured` measurements of their
+        own; no probe, no challenge, and the policy's state is left as it was. Else a choice tried
+        there on a borrowed estimate would never be measured, and each wave's ramp would try it
+        again (the H200 sweep: trees chosen while 32 prompts prefilled, 0.88x of off)."""
+        if not explore:
+            return self._plan_measured(seq_ids, others, other_width, other_tokens)
         probe = self._probe_choice()
         if seq_ids and probe is not None and self.book.drafter_observations("chain") < self.min_observations:
             return self._probe(probe, seq_ids, others)   # a new drafter: measure it cheaply first
-        # Per family, once: [n, positions] cumulative products (P(positions 1..j all accepted)) and
-        # their running sums (expected accepted drafts of a depth-j draft): each choice reads a column.
-        prefix = {}
-        for f in {c.family for c in self.choices if c != OFF}:
-            accepted_through = np.cumprod(self.book.request_rates(seq_ids, f), axis=1)
-            prefix[f] = (np.cumsum(accepted_through, axis=1), accepted_through)
-        scored = [self._score(c, seq_ids, others, other_width, other_tokens, prefix.get(c.family))
-                  for c in self.choices]
-        best = max(scored, key=lambda p: p.tokens_per_second)
-        current = next((p for p in scored if p.choice == self.current), None)
-        if current is not None and best.tokens_per_second <= current.tokens_per_second * (1 + self.switch_margin):
-            best = current
+        scored = self._scored(self.choices, seq_ids, others, other_width, other_tokens)
+        best = self._best(scored)
         self.current = best.choice
         self.plans_since_challenge += 1
         if self.plans_since_challenge >= self.challenge_every and best.choice != OFF:
@@ -160,6 +165,30 @@ class AutoPolicy:
                 return self._probe(probe, seq_ids, others)
         elif best.choice != OFF:
             self.steps_off, self.probe_interval = 0, self.probe_start
+        return best
+
+    def _plan_measured(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float) -> Plan:
+        batch = len(seq_ids) + others
+        choices = [c for c in self.choices
+                   if c == OFF or self.calibration.measured(c.name, batch) >= self.min_measured]
+        return self._best(self._scored(choices, seq_ids, others, other_width, other_tokens))
+
+    def _scored(self, choices: list[Choice], seq_ids: list[str], others: int, other_width: int,
+                other_tokens: float) -> list[Plan]:
+        # Per family, once: [n, positions] cumulative products (P(positions 1..j all accepted)) and
+        # their running sums (expected accepted drafts of a depth-j draft): each choice reads a column.
+        prefix = {}
+        for f in {c.family for c in choices if c != OFF}:
+            accepted_through = np.cumprod(self.book.request_rates(seq_ids, f), axis=1)
+            prefix[f] = (np.cumsum(accepted_through, axis=1), accepted_through)
+        return [self._score(c, seq_ids, others, other_width, other_tokens, prefix.get(c.family)) for c in choices]
+
+    def _best(self, scored: list[Plan]) -> Plan:
+        """The best plan, or the current choice's unless the best is `switch_margin` better."""
+        best = max(scored, key=lambda p: p.tokens_per_second)
+        current = next((p for p in scored if p.choice == self.current), None)
+        if current is not None and best.tokens_per_second <= current.tokens_per_second * (1 + self.switch_margin):
+            return current
         return best
 
     @property
@@ -190,7 +219,8 @@ class AutoPolicy:
         if c == OFF or not seq_ids:
             seconds = self.costs.verify(batch, max(1, other_width))
             calibrated = seconds * self.calibration.ratio(OFF.kind, OFF.name, OFF.width, batch)
-            return Plan(OFF, [], (len(seq_ids) + other_tokens) / calibrated, batch=batch, model_seconds=seconds)
+            tokens = len(seq_ids) + other_tokens
+            return Plan(OFF, [], tokens / calibrated, batch=batch, model_seconds=seconds, expected_tokens=tokens)
         gain = prefix[0][:, c.positions - 1]                           # [n] E - 1
         full = prefix[1][:, c.positions - 1]                           # [n]
         order = np.argsort(-gain)
@@ -198,14 +228,14 @@ class AutoPolicy:
         # Speculate the requests with the largest gains first; stop where the next one's gain no
         # longer pays for its draft (the best prefix of the sorted list).
         gained = np.cumsum(gain[order])                                # [n] gain of the first i + 1
-        best = (-1.0, 0, 0.0)                                          # (tokens/s, how many, model seconds)
+        best = (-1.0, 0, 0.0, 0.0)                                     # (tokens/s, how many, model seconds, tokens)
         for n in _prefix_sizes(len(seq_ids)):
             seconds = self._seconds(c, batch, n, max(c.width, other_width), full[order[:n]] if c.overlap else None)
-            tps = (len(seq_ids) + float(gained[n - 1]) + other_tokens) / (seconds * ratio)
-            if tps > best[0]:
-                best = (tps, n, seconds)
-        tps, n, seconds = best
-        return Plan(c, [seq_ids[i] for i in order[:n]], tps, batch=batch, model_seconds=seconds)
+            tokens = len(seq_ids) + float(gained[n - 1]) + other_tokens
+            if tokens / (seconds * ratio) > best[0]:
+                best = (tokens / (seconds * ratio), n, seconds, tokens)
+        tps, n, seconds, tokens = best
+        return Plan(c, [seq_ids[i] for i in order[:n]], tps, batch=batch, model_seconds=seconds, expected_tokens=tokens)
 
     def _seconds(self, c: Choice, batch: int, drafting: int, width: int, full_accept: np.ndarray | None) -> float:
         """The model's seconds for one step: the verify and what the step waits for drafting."""
@@ -229,7 +259,8 @@ class CyclingPolicy:
     def __init__(self, choices: list[Choice]) -> None:
         self.choices, self.step = choices, 0
 
-    def plan(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float) -> Plan:
+    def plan(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
+             explore: bool = True) -> Plan:
         choice = self.choices[self.step % len(self.choices)]
         self.step += 1
         return Plan(choice, [] if choice == OFF else list(seq_ids), 0.0)
