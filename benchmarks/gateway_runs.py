@@ -120,18 +120,30 @@ class GatewayClient:
         self.loop.close()
 
     def run(self, address: str, prompts: list[list[int]], max_new: int, cfg: SpecConfig,
-            warmup_tokens: int = 0, measuring: Callable[[], None] | None = None) -> list[SeqTrace]:
-        """measuring: called between the warm-up and the measured wave (nothing in flight then)."""
-        return self.loop.run_until_complete(self._wave(address, prompts, max_new, cfg, warmup_tokens, measuring))
+            warmup_tokens: int = 0, measuring: Callable[[], None] | None = None,
+            clients: int | None = None) -> list[SeqTrace]:
+        """`clients` concurrent clients (default: one per prompt, a single wave), each sending its next
+        request as soon as its last one ended (client i takes prompts i, i + clients, ...): a closed
+        loop at concurrency `clients`. -> traces in prompt order. measuring: called between the
+        warm-up (one short request per client) and the measured requests (nothing in flight then)."""
+        return self.loop.run_until_complete(self._load(address, prompts, max_new, cfg, warmup_tokens, measuring,
+                                                       clients or len(prompts)))
 
-    async def _wave(self, address, prompts, max_new, cfg, warmup_tokens, measuring) -> list[SeqTrace]:
+    async def _load(self, address, prompts, max_new, cfg, warmup_tokens, measuring, clients) -> list[SeqTrace]:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
             if warmup_tokens:  # connection, allocations and the first steps of this shape
-                await asyncio.gather(*(self._one(stub, p, warmup_tokens, cfg) for p in prompts))
+                await asyncio.gather(*(self._one(stub, p, warmup_tokens, cfg) for p in prompts[:clients]))
             if measuring is not None:
                 measuring()
-            return list(await asyncio.gather(*(self._one(stub, p, max_new, cfg) for p in prompts)))
+            traces: list[SeqTrace | None] = [None] * len(prompts)
+
+            async def client(first: int) -> None:
+                for i in range(first, len(prompts), clients):
+                    traces[i] = await self._one(stub, prompts[i], max_new, cfg)
+
+            await asyncio.gather(*(client(c) for c in range(clients)))
+            return traces
 
     @staticmethod
     async def _one(stub, prompt: list[int], max_new: int, cfg: SpecConfig) -> SeqTrace:

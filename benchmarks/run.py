@@ -231,10 +231,12 @@ def _inprocess_cells(engines, plan: Plan, prompts, pair: ModelPair, a, reference
 
 
 def _gateway_cells(services, cells: tuple[Cell, ...], prompts, pair: ModelPair, max_new: int, warm: int,
-                   state: SuiteState, waves: int = 1) -> None:
+                   state: SuiteState, waves: int = 1, per_client: int = 1) -> None:
     """Each cell: `waves` measured waves (each after a warm-up wave of `warm` tokens); the row is
     the wave of median tokens per second (one wave of a few steps varies by several percent), with
-    the gateway's step split over that wave (benchmarks/step_split.py)."""
+    the gateway's step split over that wave (benchmarks/step_split.py). A wave is C clients each
+    sending `per_client` requests back to back (1: C requests started together), over the first
+    C * per_client prompts."""
     from benchmarks import step_split
     from benchmarks.gateway_runs import GatewayClient
 
@@ -247,7 +249,8 @@ def _gateway_cells(services, cells: tuple[Cell, ...], prompts, pair: ModelPair, 
             rows = []
             for _ in range(waves):
                 marks: dict[str, step_split.Snapshot] = {}
-                traces = client.run(address, prompts[: cell.concurrency], max_new, cell.config, warmup_tokens=warm,
+                traces = client.run(address, prompts[: cell.concurrency * per_client], max_new, cell.config,
+                                    warmup_tokens=warm, clients=cell.concurrency,
                                     measuring=lambda: marks.update(before=step_split.scrape(metrics)))
                 rows.append(summarize(traces, "gateway", pair.name, cell.config.name, cell.concurrency,
                                       cell.acceptance, **step_split.split(marks["before"], step_split.scrape(metrics))))

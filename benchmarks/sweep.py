@@ -11,6 +11,12 @@ one line per mode, and tabulates auto against mode off and against the best fixe
     python -m benchmarks.sweep --device cuda --parts smollm2    # then: benchmarks.sweep_report DIR1 DIR2
     python -m benchmarks.sweep --device cpu --tiny --acceptance 0 0.8 --concurrency 1 4   # smoke
     python -m benchmarks.sweep --drafter-gpus 0 --verifier-gpus 1,2 --tp 2 ...   # disaggregated (compose's shape)
+    python -m benchmarks.sweep --requests-per-client 4 ...   # closed loop: each client's next request at once
+
+A wave ends with its slowest sequence: speculation ends its sequences at different steps, and the
+last steps run a small batch at nearly a full step's cost, which mode off (every sequence ends at
+the same step) never pays. A closed loop (`--requests-per-client`), as serving benchmarks measure
+concurrency, pays that tail once per run instead of once per request.
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--waves", type=int, default=3, help="measured waves per row; the row is their median")
+    p.add_argument("--requests-per-client", type=int, default=1,
+                   help="each of a wave's C clients sends this many requests, the next as soon as the last ends "
+                        "(a closed loop at concurrency C); 1: one request each, all started together")
     p.add_argument("--drafter-gpus", default=None, help="CUDA_VISIBLE_DEVICES of the drafters (default: shared)")
     p.add_argument("--verifier-gpus", default=None, help="CUDA_VISIBLE_DEVICES of the verifier (default: shared)")
     p.add_argument("--tp", type=int, default=1, help="the verifier's tensor-parallel ranks (--verifier-gpus)")
@@ -68,7 +77,7 @@ def main(argv: list[str] | None = None) -> Path:
     smol_cells = _ordered(_cells([None], a.concurrency, a.modes)) if "smollm2" in a.parts else ()
     dtype, work, meta = start_run(a, "benchmarks.sweep", argv)
     meta["placement"] = placement(a).describe()
-    meta["waves"] = a.waves
+    meta["waves"], meta["requests_per_client"] = a.waves, a.requests_per_client
     state = SuiteState(a.out_dir, meta, tqdm(total=len(random_cells) + len(smol_cells), desc="sweep rows",
                                              file=sys.stderr))
     try:
@@ -103,7 +112,7 @@ def _random_part(a, cells, dtype: str, work: Path, state: SuiteState) -> None:
     try:
         with state.phase("checkpoints"):
             pair = random_pair(root, a.tiny, a.device)
-        prompts = random_prompts(most, 512 if a.tiny else 128256, lengths, a.seed)
+        prompts = random_prompts(most * a.requests_per_client, 512 if a.tiny else 128256, lengths, a.seed)
         ref_len = a.max_new_tokens + max(c.config.lookahead for c in cells)
         settings = EngineSettings(max_sequences=most, cuda_graphs=a.device == "cuda",
                                   max_context=-(-(lengths[1] + ref_len + 1) // 64) * 64)
@@ -114,7 +123,8 @@ def _random_part(a, cells, dtype: str, work: Path, state: SuiteState) -> None:
             stack.callback(services.stop)
             with state.phase("reference pass"):   # the target's own continuations, for the controlled drafters
                 engines = load_engines(pair, a.device, dtype, settings)
-                traces, _ = run_inprocess(engines, prompts, ref_len, CONFIGS["off"])
+                traces = [t for i in range(0, len(prompts), most)   # at most `most` sequences at a time
+                          for t in run_inprocess(engines, prompts[i:i + most], ref_len, CONFIGS["off"])[0]]
                 engines.close()
                 del engines
                 if a.device == "cuda":
@@ -129,7 +139,8 @@ def _random_part(a, cells, dtype: str, work: Path, state: SuiteState) -> None:
                     services.add_gateway(acc, reference if acc is not None else None, a.seed)
                     services.wait_ready()
             with state.phase("rows"):
-                _gateway_cells(services, cells, prompts, pair, a.max_new_tokens, 2, state, a.waves)
+                _gateway_cells(services, cells, prompts, pair, a.max_new_tokens, 2, state, a.waves,
+                               a.requests_per_client)
     finally:
         if remove:
             shutil.rmtree(root, ignore_errors=True)
@@ -142,7 +153,7 @@ def _smollm2_part(a, cells, work: Path, state: SuiteState) -> None:
     if pair is None:
         return
     most = max(c.concurrency for c in cells)
-    prompts = chat_prompts(pair.target, most, heldout=True)
+    prompts = chat_prompts(pair.target, most * a.requests_per_client, heldout=True)
     settings = EngineSettings(max_sequences=most, cuda_graphs=a.device == "cuda", max_context=1024)
     (work / "smollm2").mkdir(exist_ok=True)
     services = Services(pair, a.device, "bfloat16" if a.device == "cuda" else "float32", settings, work / "smollm2",
@@ -153,7 +164,7 @@ def _smollm2_part(a, cells, work: Path, state: SuiteState) -> None:
             services.add_gateway(None)
             services.wait_ready()
         with state.phase("smollm2 rows"):
-            _gateway_cells(services, cells, prompts, pair, a.max_new_tokens, 2, state, a.waves)
+            _gateway_cells(services, cells, prompts, pair, a.max_new_tokens, 2, state, a.waves, a.requests_per_client)
     finally:
         services.stop()
 

@@ -107,11 +107,13 @@ def section(runs: list[tuple[list[RunResult], dict]], out_dir: Path) -> str:
     """runs: (rows, metadata) per sweep command, e.g. the random pair's acceptances split over
     device calls; each run's rows are compared with that run's own mode off."""
     meta = runs[0][1]
-    waves = meta.get("waves", 1)
+    waves, per_client = meta.get("waves", 1), meta.get("requests_per_client", 1)
+    load = ("C sequences started together" if per_client == 1 else
+            f"C clients each sending {per_client} requests, the next as soon as the last ended")
     out = [BEGIN, "## Concurrency sweep: every mode and `--mode auto`, through the gateway", "",
            f"{meta['date']}, {meta['machine']}, torch {meta['torch']}, {meta['dtype']}; {meta['max_new_tokens']} new "
-           f"tokens per sequence, greedy; each row the median of {waves} wave{'s' * (waves > 1)} of C sequences "
-           "started together; every ratio against mode off of the same run. Random pair: controlled acceptance a "
+           f"tokens per sequence, greedy; each row the median of {waves} wave{'s' * (waves > 1)} of {load}; "
+           "every ratio against mode off of the same run. Random pair: controlled acceptance a "
            "(benchmarks/run.py explains it); SmolLM2: its shipped EAGLE-3 head on held-out chat prompts. auto is "
            "one gateway per pair and a, so what it learned at one C carries to the next, as in a running server.",
            "", "```", *(m["command"] for _, m in runs), "```", ""]

@@ -221,3 +221,18 @@ def test_a_larger_batch_where_speculation_costs_more_than_it_did_at_small_ones()
     assert best_4 > 1.3 * 4 / memory_bound(4, 1) and best_32 == 32 / memory_bound(32, 1)   # drafts pay at 4, not at 32
     assert simulate(p, memory_bound, true_draft, 0.6, 4, 300) >= 0.95 * best_4
     assert simulate(p, memory_bound, true_draft, 0.6, 32, 60, counted=60) >= 0.95 * best_32
+
+
+def test_a_request_at_its_last_token_is_not_worth_a_draft():
+    """A draft gains at most the tokens its request has left: requests about to end do not speculate,
+    the others still do."""
+    def per_sequence_draft(b, n):   # each sequence drafted costs its share
+        return 0.0005 * n * b
+
+    p = policy(profile(memory_bound, per_sequence_draft))
+    rng = np.random.default_rng(0)
+    for sid in ("r0", "r1"):
+        observe(p, sid, "chain", 0.9, 50, rng)
+    assert p.plan(["r0", "r1"], 0, 1, 0.0, remaining=np.array([1.0, 1.0])).choice == OFF
+    plan = p.plan(["r0", "r1"], 0, 1, 0.0, remaining=np.array([64.0, 1.0]))
+    assert plan.choice != OFF and plan.speculating == ["r0"]

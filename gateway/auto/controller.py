@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import numpy as np
 import structlog
 
 from gateway.auto.acceptance import AcceptanceBook
@@ -132,6 +133,7 @@ class AutoController:
         plans among off and the measured choices (where prompts arrive every step, a choice is
         then tried only once a step without a prefill has measured it)."""
         ids = [r.seq_id for r in group]
+        remaining = np.array([r.req.max_new_tokens - r.generated for r in group], dtype=np.float64)
         key = bucket(len(group) + others)
         cached = self.plans.get(overlap_allowed)
         explore = not (prefilling and isinstance(policy, AutoPolicy))
@@ -142,10 +144,10 @@ class AutoController:
             keep = set(plan.speculating) | ({i for i in ids if i not in known} if plan.choice != OFF else set())
             return dataclasses.replace(plan, speculating=[i for i in ids if i in keep])
         if not explore:
-            plan = policy.plan(ids, others, other_width, other_tokens, explore=False)
+            plan = policy.plan(ids, others, other_width, other_tokens, explore=False, remaining=remaining)
             self.plans[overlap_allowed] = CachedPlan(plan, key, 1, set(ids))
             return plan
-        plan = policy.plan(ids, others, other_width, other_tokens)
+        plan = policy.plan(ids, others, other_width, other_tokens, remaining=remaining)
         # Kept only once confirmed: a probe, a choice that differs from the last one, or one whose
         # step time at this batch size rests on fewer than three measurements (priced from another
         # size or choice: the policy still learning) is planned again next step - but a choice

@@ -11,7 +11,7 @@ request that speculates this step, and per request whether it speculates at all.
               both then run on the same processor)
 
 E_r(c) = 1 + sum_j prod_{i<=j} p_r[i] from the request's running acceptance per position
-(gateway/auto/acceptance.py), h the probability that a whole chain is accepted (only then is an
+(gateway/auto/acceptance.py), at most the tokens the request has left, h the probability that a whole chain is accepted (only then is an
 overlap pre-draft usable), and the costs are the services' start-up profiles (gateway/auto/costs.py)
 times a calibration: measured / modelled whole-step time per choice and batch bucket, which carries
 what the profiles cannot see (gRPC and Python on three hops, contention on a shared GPU). A request
@@ -134,20 +134,22 @@ class AutoPolicy:
         self.steps_off = 0
 
     def plan(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
-             explore: bool = True) -> Plan:
+             explore: bool = True, remaining: np.ndarray | None = None) -> Plan:
         """seq_ids: the auto requests of this step; others: the step's other sequences (fixed
         modes), the widest draft among them and the tokens they are expected to commit.
+        remaining: [len(seq_ids)] tokens each request may still generate (a draft cannot gain more
+        than its request has left: near its end a request is worth less to speculate).
         explore=False (a step that also prefills, whose time is not measured): only off and the
         choices whose step time at this batch size rests on `min_measured` measurements of their
         own; no probe, no challenge, and the policy's state is left as it was. Else a choice tried
         there on a borrowed estimate would never be measured, and each wave's ramp would try it
         again (the H200 sweep: trees chosen while 32 prompts prefilled, 0.88x of off)."""
         if not explore:
-            return self._plan_measured(seq_ids, others, other_width, other_tokens)
+            return self._plan_measured(seq_ids, others, other_width, other_tokens, remaining)
         probe = self._probe_choice()
         if seq_ids and probe is not None and self.book.drafter_observations("chain") < self.min_observations:
             return self._probe(probe, seq_ids, others)   # a new drafter: measure it cheaply first
-        scored = self._scored(self.choices, seq_ids, others, other_width, other_tokens)
+        scored = self._scored(self.choices, seq_ids, others, other_width, other_tokens, remaining)
         best = self._best(scored)
         self.current = best.choice
         self.plans_since_challenge += 1
@@ -167,20 +169,24 @@ class AutoPolicy:
             self.steps_off, self.probe_interval = 0, self.probe_start
         return best
 
-    def _plan_measured(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float) -> Plan:
+    def _plan_measured(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
+                       remaining: np.ndarray | None) -> Plan:
         batch = len(seq_ids) + others
         choices = [c for c in self.choices
                    if c == OFF or self.calibration.measured(c.name, batch) >= self.min_measured]
-        return self._best(self._scored(choices, seq_ids, others, other_width, other_tokens))
+        return self._best(self._scored(choices, seq_ids, others, other_width, other_tokens, remaining))
 
     def _scored(self, choices: list[Choice], seq_ids: list[str], others: int, other_width: int,
-                other_tokens: float) -> list[Plan]:
+                other_tokens: float, remaining: np.ndarray | None) -> list[Plan]:
         # Per family, once: [n, positions] cumulative products (P(positions 1..j all accepted)) and
         # their running sums (expected accepted drafts of a depth-j draft): each choice reads a column.
         prefix = {}
         for f in {c.family for c in choices if c != OFF}:
             accepted_through = np.cumprod(self.book.request_rates(seq_ids, f), axis=1)
-            prefix[f] = (np.cumsum(accepted_through, axis=1), accepted_through)
+            gains = np.cumsum(accepted_through, axis=1)
+            if remaining is not None:   # the step commits one token anyway; drafts add at most the rest
+                gains = np.minimum(gains, np.maximum(remaining - 1, 0)[:, None])
+            prefix[f] = (gains, accepted_through)
         return [self._score(c, seq_ids, others, other_width, other_tokens, prefix.get(c.family)) for c in choices]
 
     def _best(self, scored: list[Plan]) -> Plan:
@@ -260,7 +266,7 @@ class CyclingPolicy:
         self.choices, self.step = choices, 0
 
     def plan(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
-             explore: bool = True) -> Plan:
+             explore: bool = True, remaining: np.ndarray | None = None) -> Plan:
         choice = self.choices[self.step % len(self.choices)]
         self.step += 1
         return Plan(choice, [] if choice == OFF else list(seq_ids), 0.0)
