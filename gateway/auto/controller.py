@@ -67,7 +67,7 @@ class AutoController:
             # Probes after 64 steps off, then 128, ... up to 4096 (in plans of `replan_every` steps).
             self.policies[overlap_allowed] = (CyclingPolicy(choices) if self.cycle else AutoPolicy(
                 self.costs, self.book, choices, probe_start=max(1, 64 // self.replan_every),
-                probe_max=max(1, 4096 // self.replan_every)))
+                probe_max=max(1, 4096 // self.replan_every), min_measured=CONFIRM_MEASUREMENTS))
         return self.policies[overlap_allowed]
 
     # ---- admission ---------------------------------------------------------------------------
@@ -133,7 +133,6 @@ class AutoController:
         plans among off and the measured choices (where prompts arrive every step, a choice is
         then tried only once a step without a prefill has measured it)."""
         ids = [r.seq_id for r in group]
-        remaining = np.array([r.req.max_new_tokens - r.generated for r in group], dtype=np.float64)
         key = bucket(len(group) + others)
         cached = self.plans.get(overlap_allowed)
         explore = not (prefilling and isinstance(policy, AutoPolicy))
@@ -143,6 +142,7 @@ class AutoController:
             plan, known = cached.plan, cached.known
             keep = set(plan.speculating) | ({i for i in ids if i not in known} if plan.choice != OFF else set())
             return dataclasses.replace(plan, speculating=[i for i in ids if i in keep])
+        remaining = np.array([r.req.max_new_tokens - r.generated for r in group], dtype=np.float64)
         if not explore:
             plan = policy.plan(ids, others, other_width, other_tokens, explore=False, remaining=remaining)
             self.plans[overlap_allowed] = CachedPlan(plan, key, 1, set(ids))
@@ -163,7 +163,7 @@ class AutoController:
     def _measured(policy, plan: Plan) -> bool:
         """Off, or a choice whose step time at the plan's batch size rests on measurements of its own."""
         return (not isinstance(policy, AutoPolicy) or plan.choice == OFF
-                or policy.calibration.measured(plan.choice.name, plan.batch) >= CONFIRM_MEASUREMENTS)
+                or policy.calibration.measured(plan.choice.name, plan.batch) >= policy.min_measured)
 
     def _apply(self, r: ActiveRequest, c: Choice) -> None:
         r.choice = c.name
@@ -184,15 +184,16 @@ class AutoController:
 
     def observe_step(self, seconds: float) -> None:
         """The step's wall time after its plan (drafts, verify, pre-drafts, the verdicts applied),
-        when one plan ran for every sequence of it (the scheduler leaves out steps that also prefilled). The first few steps
-        of the gateway's life are not used: they also pay for opening streams and first allocations."""
+        when one plan ran for every sequence of it (the scheduler leaves out steps that also
+        prefilled). The first few steps of the gateway's life are not used: they also pay for
+        opening streams and first allocations."""
         self.steps_seen += 1
         if len(self.step_plans) == 1 and self.steps_seen > WARMUP_STEPS:
             policy, plan, others = self.step_plans[0]
             if not others and isinstance(policy, AutoPolicy):
                 # What the policy expected of this step next to what it took (SPECDEC_LOG_LEVEL=debug).
-                self.log.debug("auto step", choice=plan.choice.name, batch=plan.batch, speculating=len(plan.speculating),
-                               probe=plan.probe, model_ms=round(plan.model_seconds * 1e3, 2),
+                self.log.debug("auto step", choice=plan.choice.name, batch=plan.batch,
+                               speculating=len(plan.speculating), probe=plan.probe, model_ms=round(plan.model_seconds * 1e3, 2),
                                expected_ms=round(plan.expected_seconds * 1e3, 2), measured_ms=round(seconds * 1e3, 2),
                                expected_tokens=round(plan.expected_tokens, 2))
                 policy.observe_step(plan, seconds)

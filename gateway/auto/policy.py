@@ -11,17 +11,17 @@ request that speculates this step, and per request whether it speculates at all.
               both then run on the same processor)
 
 E_r(c) = 1 + sum_j prod_{i<=j} p_r[i] from the request's running acceptance per position
-(gateway/auto/acceptance.py), at most the tokens the request has left, h the probability that a whole chain is accepted (only then is an
-overlap pre-draft usable), and the costs are the services' start-up profiles (gateway/auto/costs.py)
-times a calibration: measured / modelled whole-step time per choice and batch bucket, which carries
-what the profiles cannot see (gRPC and Python on three hops, contention on a shared GPU). A request
-speculates only while its expected gain pays for its share of the draft step. The policy keeps its
-current choice unless another is `switch_margin` better, so it does not flap between near-equal
-choices. A new drafter is first measured with cheap probes (one request drafts one token); when
-speculation is off the policy still probes now and then, the interval doubling while probes keep
-losing, so a rising acceptance is noticed; and now and then a close rival from another acceptance
-family (a tree against a chain) runs one step, so a family is not abandoned on a few unlucky
-verdicts.
+(gateway/auto/acceptance.py), at most the tokens the request has left; h the probability that a
+whole chain is accepted (only then is an overlap pre-draft usable); and the costs are the services'
+start-up profiles (gateway/auto/costs.py) times a calibration: measured / modelled step time per
+choice and batch bucket, which carries what the profiles cannot see (gRPC and Python on three hops,
+contention on a shared GPU). A request speculates only while its expected gain pays for its share of
+the draft step. The policy keeps its current choice unless another is `switch_margin` better, so it
+does not flap between near-equal choices. A new drafter is first measured with cheap probes (one
+request drafts one token); when speculation is off the policy still probes now and then, the
+interval doubling while probes keep losing, so a rising acceptance is noticed; and now and then a
+close rival from another acceptance family (a tree against a chain) runs one step, so a family is
+not abandoned on a few unlucky verdicts.
 """
 
 from __future__ import annotations
