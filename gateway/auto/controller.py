@@ -136,7 +136,11 @@ class AutoController:
         key = bucket(len(group) + others)
         cached = self.plans.get(overlap_allowed)
         explore = not (prefilling and isinstance(policy, AutoPolicy))
-        if (cached is not None and cached.bucket == key and cached.age < self.replan_every
+        # Off planned for other requests (ones about to end, say) is no verdict on a request that
+        # just joined, unless auto has settled on off.
+        joined_off = (cached is not None and cached.plan.choice == OFF and isinstance(policy, AutoPolicy)
+                      and not policy.settled_off and any(i not in cached.known for i in ids))
+        if (cached is not None and cached.bucket == key and cached.age < self.replan_every and not joined_off
                 and (explore or self._measured(policy, cached.plan))):
             cached.age += 1
             plan, known = cached.plan, cached.known
