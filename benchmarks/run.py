@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from benchmarks import report
 from benchmarks.grid import CONFIGS, Cell, Plan, build_plan
-from benchmarks.metrics import summarize
+from benchmarks.metrics import RunResult, summarize
 from benchmarks.models import REPO, EngineSettings, ModelPair, embedded_pair, random_pair, random_prompts
 from benchmarks.suite_state import SuiteState
 
@@ -236,31 +236,46 @@ def _gateway_cells(services, cells: tuple[Cell, ...], prompts, pair: ModelPair, 
     the wave of median tokens per second (one wave of a few steps varies by several percent), with
     the gateway's step split over that wave (benchmarks/step_split.py). A wave is C clients each
     sending `per_client` requests back to back (1: C requests started together), over the first
-    C * per_client prompts."""
+    C * per_client prompts. The cells of one C take their waves in turn (`rotation`)."""
     from benchmarks import step_split
     from benchmarks.gateway_runs import GatewayClient
 
     client = GatewayClient()
     default = next(iter(services.gateways.values()))  # mode off: any gateway (its drafter idles)
+
+    def wave(cell: Cell) -> RunResult:
+        address = services.gateways.get(cell.acceptance, default)
+        metrics = services.metrics[address]
+        marks: dict[str, step_split.Snapshot] = {}
+        traces = client.run(address, prompts[: cell.concurrency * per_client], max_new, cell.config,
+                            warmup_tokens=warm, clients=cell.concurrency,
+                            measuring=lambda: marks.update(before=step_split.scrape(metrics)))
+        return summarize(traces, "gateway", pair.name, cell.config.name, cell.concurrency,
+                         cell.acceptance, **step_split.split(marks["before"], step_split.scrape(metrics)))
+
     try:
-        for cell in cells:
-            address = services.gateways.get(cell.acceptance, default)
-            metrics = services.metrics[address]
-            rows = []
-            for _ in range(waves):
-                marks: dict[str, step_split.Snapshot] = {}
-                traces = client.run(address, prompts[: cell.concurrency * per_client], max_new, cell.config,
-                                    warmup_tokens=warm, clients=cell.concurrency,
-                                    measuring=lambda: marks.update(before=step_split.scrape(metrics)))
-                rows.append(summarize(traces, "gateway", pair.name, cell.config.name, cell.concurrency,
-                                      cell.acceptance, **step_split.split(marks["before"], step_split.scrape(metrics))))
-            state.record(sorted(rows, key=lambda r: r.tok_s)[len(rows) // 2])
+        for group in rotation(cells):
+            rows: dict[Cell, list[RunResult]] = {cell: [] for cell in group}
+            for cell in group * waves:   # wave 1 of every cell, then wave 2, ...
+                rows[cell].append(wave(cell))
+            for cell in group:   # mode off first, as the cells came (speedups are against it)
+                state.record(sorted(rows[cell], key=lambda r: r.tok_s)[len(rows[cell]) // 2])
     except Exception:
         for name in services.procs:
             print(services.log_tail(name, 10), file=sys.stderr)
         raise
     finally:
         client.close()
+
+
+def rotation(cells: tuple[Cell, ...]) -> list[list[Cell]]:
+    """The cells grouped by concurrency, in order of first appearance. A group's waves run in turn
+    (wave 1 of every cell, then wave 2, ...): the machine's speed drifts by more than the 3% that
+    auto's aims allow, and a drift must fall on every mode alike, not on whichever rows ran last."""
+    groups: dict[int, list[Cell]] = {}
+    for cell in cells:
+        groups.setdefault(cell.concurrency, []).append(cell)
+    return list(groups.values())
 
 
 def _hf(pair: ModelPair, prompt: list[int], a, dtype: str, state: SuiteState) -> None:

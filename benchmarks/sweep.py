@@ -3,7 +3,8 @@
 The 8B-shaped random pair runs at controlled acceptance a = 0, 0.6, 0.8, 0.9 (one drafter and
 gateway per a over one verifier, as in benchmarks/run.py; mode off once per C), and the SmolLM2
 pair with its shipped EAGLE-3 head at its real acceptance. Each row is the median of `--waves`
-waves of C requests started together (one wave of 64 tokens lasts about a second on the H200
+waves of C requests started together (the rows of one C take their waves in turn, so that the
+machine's drift falls on every mode alike) (one wave of 64 tokens lasts about a second on the H200
 and varies by a few percent run to run: more than the 3% the aims allow). The report (benchmarks/sweep_report.py) plots tok/s and TPOT p50/p99 against C,
 one line per mode, and tabulates auto against mode off and against the best fixed mode.
 

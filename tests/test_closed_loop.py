@@ -1,6 +1,7 @@
 """The benchmarks' load generator: C clients in a closed loop (each sends its next request as soon as
 its last one ended) keep exactly C requests in flight until the prompts run out, and hand back the
-traces in prompt order; with one prompt per client it is a single wave started together."""
+traces in prompt order; with one prompt per client it is a single wave started together. The sweep
+runs the waves of one concurrency's cells in turn."""
 
 from __future__ import annotations
 
@@ -44,3 +45,16 @@ def test_clients_keep_their_concurrency_and_traces_follow_the_prompts(monkeypatc
     assert [t.tokens for t in traces] == [[i] for i in range(prompts)]
     assert peak == clients and sorted(started) == list(range(prompts))
     assert set(started[:clients]) == set(range(clients))    # each client starts with its own first prompt
+
+
+def test_the_cells_are_grouped_by_concurrency_for_their_waves_in_turn():
+    """Drift in the machine's speed must fall on every mode of a C alike: the cells are grouped by
+    C (mode off first, as they came), and each group runs wave 1 of every cell, then wave 2, ..."""
+    from benchmarks.grid import _cells, _ordered
+    from benchmarks.run import rotation
+
+    cells = _ordered(_cells([0.0, 0.8], [1, 4], ["off", "chain k=2", "auto"]))
+    groups = rotation(cells)
+    assert [{c.concurrency for c in g} for g in groups] == [{1}, {4}]
+    assert all(g[0].config.name == "off" and len(g) == 5 for g in groups)   # off once, then 2 a x 2 modes
+    assert {c for g in groups for c in g} == set(cells)
