@@ -1,12 +1,13 @@
 """The concurrency sweep: every mode, `auto` included, at C = 1 ... 64 through the gateway.
 
 The 8B-shaped random pair runs at controlled acceptance a = 0, 0.6, 0.8, 0.9 (one drafter and
-gateway per a over one verifier, as in benchmarks/run.py; mode off once per C), and the SmolLM2
-pair with its shipped EAGLE-3 head at its real acceptance. Each row is the median of `--waves`
-waves of C requests started together (the rows of one C take their waves in turn, so that the
-machine's drift falls on every mode alike) (one wave of 64 tokens lasts about a second on the H200
-and varies by a few percent run to run: more than the 3% the aims allow). The report (benchmarks/sweep_report.py) plots tok/s and TPOT p50/p99 against C,
-one line per mode, and tabulates auto against mode off and against the best fixed mode.
+gateway per a over one verifier, as in benchmarks/run.py; mode off once per C), and the SmolLM2 pair
+with its shipped EAGLE-3 head at its real acceptance. Each row is the median of `--waves` waves of C
+requests started together. One wave of 64 tokens lasts about a second on the H200 and varies by a
+few percent run to run, more than the 3% the aims allow, so the rows of one C take their waves in
+turn: the machine's drift falls on every mode alike. The report (benchmarks/sweep_report.py) plots
+tok/s and TPOT p50/p99 against C, one line per mode, and tabulates auto against mode off and against
+the best fixed mode.
 
     python -m benchmarks.sweep --device cuda --parts random     # about 12 minutes on one H200
     python -m benchmarks.sweep --device cuda --parts smollm2    # then: benchmarks.sweep_report DIR1 DIR2
