@@ -165,9 +165,7 @@ class AutoController:
 
     @staticmethod
     def _measured(policy, plan: Plan) -> bool:
-        """Off, or a choice whose step time at the plan's batch size rests on measurements of its own."""
-        return (not isinstance(policy, AutoPolicy) or plan.choice == OFF
-                or policy.calibration.measured(plan.choice.name, plan.batch) >= policy.min_measured)
+        return not isinstance(policy, AutoPolicy) or policy.measured(plan.choice, plan.batch)
 
     def _apply(self, r: ActiveRequest, c: Choice) -> None:
         r.choice = c.name
@@ -197,9 +195,10 @@ class AutoController:
             if not others and isinstance(policy, AutoPolicy):
                 # What the policy expected of this step next to what it took (SPECDEC_LOG_LEVEL=debug).
                 self.log.debug("auto step", choice=plan.choice.name, batch=plan.batch,
-                               speculating=len(plan.speculating), probe=plan.probe, model_ms=round(plan.model_seconds * 1e3, 2),
-                               expected_ms=round(plan.expected_seconds * 1e3, 2), measured_ms=round(seconds * 1e3, 2),
-                               expected_tokens=round(plan.expected_tokens, 2))
+                               speculating=len(plan.speculating), probe=plan.probe,
+                               model_ms=round(plan.model_seconds * 1e3, 2),
+                               expected_ms=round(plan.expected_seconds * 1e3, 2),
+                               measured_ms=round(seconds * 1e3, 2), expected_tokens=round(plan.expected_tokens, 2))
                 policy.observe_step(plan, seconds)
 
     def forget(self, r: ActiveRequest) -> None:

@@ -172,9 +172,12 @@ class AutoPolicy:
     def _plan_measured(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
                        remaining: np.ndarray | None) -> Plan:
         batch = len(seq_ids) + others
-        choices = [c for c in self.choices
-                   if c == OFF or self.calibration.measured(c.name, batch) >= self.min_measured]
+        choices = [c for c in self.choices if self.measured(c, batch)]
         return self._best(self._scored(choices, seq_ids, others, other_width, other_tokens, remaining))
+
+    def measured(self, c: Choice, batch: int) -> bool:
+        """Off, or a choice whose step time at this batch size rests on measurements of its own."""
+        return c == OFF or self.calibration.measured(c.name, batch) >= self.min_measured
 
     def _scored(self, choices: list[Choice], seq_ids: list[str], others: int, other_width: int,
                 other_tokens: float, remaining: np.ndarray | None) -> list[Plan]:
