@@ -236,3 +236,20 @@ def test_a_request_at_its_last_token_is_not_worth_a_draft():
     assert p.plan(["r0", "r1"], 0, 1, 0.0, remaining=np.array([1.0, 1.0])).choice == OFF
     plan = p.plan(["r0", "r1"], 0, 1, 0.0, remaining=np.array([64.0, 1.0]))
     assert plan.choice != OFF and plan.speculating == ["r0"]
+
+
+def test_a_lucky_fast_step_does_not_make_drafts_at_zero_acceptance_look_free():
+    """On a loaded machine one speculative step can be measured faster than plain ones. A
+    speculative step still does all a plain one does and drafts besides, so at zero acceptance off
+    stays the choice however cheap a speculative choice's few measurements make it look."""
+    p = policy(profile(memory_bound, cheap_draft))
+    rng = np.random.default_rng(0)
+    for sid in ("r0", "r1"):
+        observe(p, sid, "chain", 0.0, 50, rng)
+    off = p.plan(["r0", "r1"], 0, 1, 0.0)
+    for _ in range(5):
+        p.calibration.observe("off", "off", 1, 2, 0.030, 0.010)           # plain steps: 3x the model
+    for c in p.choices:
+        if c != OFF:
+            p.calibration.observe(c.kind, c.name, c.width, 2, 0.001, 0.010)   # one lucky step each
+    assert off.choice == OFF and p.plan(["r0", "r1"], 0, 1, 0.0).choice == OFF

@@ -234,6 +234,11 @@ class AutoPolicy:
         full = prefix[1][:, c.positions - 1]                           # [n]
         order = np.argsort(-gain)
         ratio = self.calibration.ratio(c.kind, c.name, c.width, batch)
+        # A speculative step does all that a plain one does and drafts besides, so it is never priced
+        # below that (plus the draft, unless overlap hides it): a calibration resting on one lucky
+        # fast step (a loaded machine) must not make speculation at zero acceptance look free.
+        off = self.costs.verify(batch, max(1, other_width)) * self.calibration.ratio(OFF.kind, OFF.name, OFF.width,
+                                                                                      batch)
         # Speculate the requests with the largest gains first; stop where the next one's gain no
         # longer pays for its draft (the best prefix of the sorted list).
         gained = np.cumsum(gain[order])                                # [n] gain of the first i + 1
@@ -241,8 +246,9 @@ class AutoPolicy:
         for n in _prefix_sizes(len(seq_ids)):
             seconds = self._seconds(c, batch, n, max(c.width, other_width), full[order[:n]] if c.overlap else None)
             tokens = len(seq_ids) + float(gained[n - 1]) + other_tokens
-            if tokens / (seconds * ratio) > best[0]:
-                best = (tokens / (seconds * ratio), n, seconds, tokens)
+            floor = off + (0.0 if c.overlap else self.costs.draft(n, c.draft_shape))
+            if tokens / max(seconds * ratio, floor) > best[0]:
+                best = (tokens / max(seconds * ratio, floor), n, seconds, tokens)
         tps, n, seconds, tokens = best
         return Plan(c, [seq_ids[i] for i in order[:n]], tps, batch=batch, model_seconds=seconds, expected_tokens=tokens)
 
