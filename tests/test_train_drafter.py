@@ -23,7 +23,7 @@ from specdec.model.spec import ModelSpec
 from specdec.train.distill import Sample, clean_question, self_distill
 from specdec.train.prompts import TOPICS, _items, build_prompts
 from specdec.train.trainer import TrainDrafterConfig, _fit, _new_head, evaluate
-from specdec.train.ttt import Labels, chain_stats, ttt_forward
+from specdec.train.ttt import Labels, chain_stats, ttt_forward, ttt_loss
 from specdec.train.vocab import select_draft_vocab
 
 
@@ -90,6 +90,47 @@ def test_chain_stats_from_every_root_and_along_greedy_decoding():
     learn[0, :2] = False                                         # a prompt of 3 tokens: decoding starts at root 2
     stats = chain_stats(_IdentityVocabHead(), logits, labels)   # root 2 misses, 3 accepts 2, then 6
     assert (stats.decode_steps, stats.decode_accepted, stats.decode_first_right) == (2, 2, 1)
+
+
+def test_root_weight_weighs_the_roots_right_after_a_missed_first_draft():
+    """Hand-worked, one step: 4 learned roots, each with a cross-entropy of its own; the first draft
+    from root 1 misses, so root 2 (where decoding would start its next step) weighs 1 + w."""
+    t_len, vocab = 6, 4
+    labels_at = [0, 1, 2, 3, 0, 1]                                   # the target's token after each position
+    probs = torch.nn.functional.one_hot(torch.tensor(labels_at), vocab).float()[None]
+    learn = torch.tensor([[True] * 5 + [False]])
+    labels = Labels(probs, torch.tensor([labels_at]), learn, torch.ones_like(learn))
+    guesses = [labels_at[t + 1] for t in range(t_len - 1)] + [0]     # root t's first draft: right ...
+    guesses[1] = (labels_at[2] + 1) % vocab                          # ... but root 1's
+    logits = torch.full((1, t_len, vocab), -2.0)
+    for t, g in enumerate(guesses):
+        logits[0, t, g] = 2.0 + 0.1 * t                              # a distinct loss per root
+    ce = -torch.log_softmax(logits[0, :t_len - 1], -1)[torch.arange(t_len - 1), torch.tensor(labels_at[1:])]
+    usable = learn[0, 1:].float()                                    # roots 0..3 (root 4's label is not learned)
+    for w in (0.0, 2.0):
+        weight = torch.ones(t_len - 1)
+        weight[2] += w
+        want = (ce * usable * weight).sum() / (usable * weight).sum()
+        got, _ = ttt_loss([logits], labels, decay=1.0, root_weight=w)
+        torch.testing.assert_close(got, want)
+
+
+def test_sampled_answers_add_distinct_reproducible_contexts(checkpoints):
+    target_dir = checkpoints["llama-gqa"]
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    prompts = build_prompts(0).train[:6]
+    greedy = self_distill(model, tok, prompts, 12, 4)
+    more = self_distill(model, tok, prompts, 12, 4, samples_per_prompt=3, temperature=1.0, seed=5)
+    assert self_distill(model, tok, prompts, 12, 4, samples_per_prompt=3, temperature=1.0, seed=5) == more
+    assert self_distill(model, tok, prompts, 12, 4, samples_per_prompt=3, temperature=1.0, seed=6) != more
+    assert len(greedy) == len(prompts) and len(prompts) < len(more) <= 3 * len(prompts)
+    by_prompt: dict[tuple, list[tuple]] = {}
+    for s in more:
+        by_prompt.setdefault(tuple(s.ids[:s.answer_start]), []).append(tuple(s.ids))
+    for g in greedy:   # each prompt's greedy answer first, then distinct sampled ones
+        got = by_prompt[tuple(g.ids[:g.answer_start])]
+        assert got[0] == tuple(g.ids) and len(set(got)) == len(got)
 
 
 def test_draft_vocab_keeps_the_most_frequent_tokens():

@@ -25,11 +25,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompts the target writes itself (self-instruct); 0 to skip")
     p.add_argument("--heldout", type=int, default=d.heldout, help="held-out prompts for the acceptance report")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="longest self-distilled answer")
+    p.add_argument("--samples-per-prompt", type=int, default=d.samples_per_prompt,
+                   help="answers per training prompt: the greedy one, then sampled ones (more distinct contexts)")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="of the sampled answers")
     p.add_argument("--gen-batch", type=int, default=d.gen_batch, help="prompts answered per generate batch")
     p.add_argument("--draft-vocab", type=int, default=d.draft_vocab, help="draft vocabulary size")
     p.add_argument("--aux-layers", default=None,
                    help="target layer inputs whose hidden states the head reads, e.g. 2,15,27 (default low/mid/high)")
     p.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="draft positions unrolled in training")
+    p.add_argument("--root-weight", type=float, default=d.root_weight,
+                   help="extra loss weight on roots right after a missed first draft: greedy decoding starts "
+                        "its steps there far more often than at a random position (0: every root alike)")
     p.add_argument("--epochs", type=float, default=d.epochs)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--batch-tokens", type=int, default=d.batch_tokens, help="padded tokens per training batch")
@@ -44,7 +50,8 @@ def config_from_args(a: argparse.Namespace, target: Path) -> TrainDrafterConfig:
         target=target, out=Path(a.out), device=a.device, seed=a.seed, data=Path(a.data) if a.data else None,
         save_data=Path(a.save_data) if a.save_data else None, text=tuple(Path(t) for t in a.text),
         prompts=a.prompts, self_instruct=a.self_instruct, heldout=a.heldout, max_new_tokens=a.max_new_tokens,
-        gen_batch=a.gen_batch, draft_vocab=a.draft_vocab, aux_layers=aux, ttt_steps=a.ttt_steps, epochs=a.epochs,
+        samples_per_prompt=a.samples_per_prompt, temperature=a.temperature, gen_batch=a.gen_batch,
+        draft_vocab=a.draft_vocab, aux_layers=aux, ttt_steps=a.ttt_steps, root_weight=a.root_weight, epochs=a.epochs,
         lr=a.lr, batch_tokens=a.batch_tokens, max_len=a.max_len, eval_k=a.eval_k, save_dtype=a.save_dtype)
 
 

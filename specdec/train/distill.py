@@ -3,10 +3,14 @@
 A Sample is one token sequence and where its answer starts: positions before `answer_start` are
 the prompt (context only), the rest are what the head learns to draft. Self-distilled answers are
 the target's greedy continuations, so during training a drafted position's input token is exactly
-what the head sees at inference when its earlier drafts were accepted.
+what the head sees at inference when its earlier drafts were accepted. Extra sampled answers per
+prompt (`samples_per_prompt`, at `temperature`) add contexts the greedy path never reaches: one
+prompt set then teaches several times as many distinct positions, and the labels stay the
+target's own distributions wherever the context came from.
 
-Generation is Hugging Face `generate` (greedy, batched with left padding, prompts sorted by
-length so batches pad little); it is the reference the server is lossless against anyway.
+Generation is Hugging Face `generate` (batched with left padding, prompts sorted by length so
+batches pad little); it is the reference the server is lossless against anyway. Sampled rounds
+are seeded per batch, so a seed gives the same answers on the same machine.
 """
 
 from __future__ import annotations
@@ -35,9 +39,10 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
 
 
 @torch.inference_mode()
-def greedy_answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
-                   desc: str) -> list[list[int]]:
-    """The target's greedy continuation of each prompt (up to and including EOS), in prompt order."""
+def answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int, desc: str,
+            temperature: float = 0.0, seed: int = 0) -> list[list[int]]:
+    """The target's continuation of each prompt (up to and including EOS), in prompt order: greedy,
+    or sampled at `temperature` (nucleus 0.95) with the generator seeded per batch from `seed`."""
     device = next(model.parameters()).device
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
@@ -51,26 +56,38 @@ def greedy_answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: i
         for row, i in enumerate(idx):   # left padding: every prompt ends at the last column
             ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
             mask[row, width - len(prompts[i]):] = 1
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                             max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos,
-                             temperature=None, top_p=None, top_k=None)
+        sample = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        if temperature > 0:
+            torch.manual_seed(seed * 1_000_003 + start)
+            sample = {"do_sample": True, "temperature": temperature, "top_p": 0.95, "top_k": 0}
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                             pad_token_id=pad, eos_token_id=eos, **sample)
         for row, i in enumerate(idx):
             new = out[row, width:].tolist()
             answers[i] = new[:new.index(eos) + 1] if eos in new else new
     return answers
 
 
-def self_distill(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[Sample]:
+def self_distill(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int,
+                 samples_per_prompt: int = 1, temperature: float = 0.8, seed: int = 0) -> list[Sample]:
+    """Per prompt: the greedy answer, then samples_per_prompt - 1 sampled ones (distinct from those before)."""
     prompt_ids = [chat_ids(tokenizer, p) for p in prompts]
-    answers = greedy_answers(model, tokenizer, prompt_ids, max_new_tokens, batch_size, "answering prompts")
-    return [Sample(p + a, len(p)) for p, a in zip(prompt_ids, answers) if a]
+    rounds = [answers(model, tokenizer, prompt_ids, max_new_tokens, batch_size, "answering prompts")]
+    for r in range(1, samples_per_prompt):
+        rounds.append(answers(model, tokenizer, prompt_ids, max_new_tokens, batch_size,
+                              f"sampling answers ({r}/{samples_per_prompt - 1})", temperature, seed * 1000 + r))
+    samples = []
+    for i, p in enumerate(prompt_ids):
+        kept = list(dict.fromkeys(tuple(round_[i]) for round_ in rounds if round_[i]))
+        samples += [Sample(p + list(a), len(p)) for a in kept]
+    return samples
 
 
 def self_instruct(model, tokenizer, requests: list[str], batch_size: int) -> list[str]:
     """The target writes user prompts: its answers to `requests`, cleaned and de-duplicated."""
     ids = [chat_ids(tokenizer, r) for r in requests]
-    answers = greedy_answers(model, tokenizer, ids, 48, batch_size, "writing prompts (self-instruct)")
-    questions = (clean_question(tokenizer.decode(a, skip_special_tokens=True)) for a in answers)
+    written = answers(model, tokenizer, ids, 48, batch_size, "writing prompts (self-instruct)")
+    questions = (clean_question(tokenizer.decode(a, skip_special_tokens=True)) for a in written)
     return list(dict.fromkeys(q for q in questions if q))
 
 

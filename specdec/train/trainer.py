@@ -42,11 +42,14 @@ class TrainDrafterConfig:
     self_instruct: int = 2000           # prompts the target writes itself (before de-duplication)
     heldout: int = 200                  # held-out prompts answered for the acceptance report
     max_new_tokens: int = 384
+    samples_per_prompt: int = 1         # answers per training prompt: the greedy one, then sampled ones
+    temperature: float = 0.8            # of the sampled answers
     gen_batch: int = 128
     draft_vocab: int = 8192
     aux_layers: tuple[int, ...] | None = None   # target layer INPUTS to capture (default low/mid/high)
     ttt_steps: int = 7
     decay: float = 0.8
+    root_weight: float = 0.0            # extra loss weight on roots right after a missed draft (ttt_loss)
     epochs: float = 8.0
     lr: float = 5e-4
     batch_tokens: int = 16384
@@ -104,7 +107,8 @@ def _sequences(cfg: TrainDrafterConfig, target, tokenizer) -> tuple[list[Sample]
     prompts = prompt_set.train[:cfg.prompts] if cfg.prompts is not None else list(prompt_set.train)
     if cfg.self_instruct:
         prompts += self_instruct(target, tokenizer, self_instruct_requests(cfg.seed, cfg.self_instruct), cfg.gen_batch)
-    train = self_distill(target, tokenizer, prompts, cfg.max_new_tokens, cfg.gen_batch)
+    train = self_distill(target, tokenizer, prompts, cfg.max_new_tokens, cfg.gen_batch, cfg.samples_per_prompt,
+                         cfg.temperature, cfg.seed)
     train += text_samples(tokenizer, list(cfg.text), cfg.max_len)
     heldout = self_distill(target, tokenizer, prompt_set.heldout[:cfg.heldout], cfg.max_new_tokens, cfg.gen_batch)
     if cfg.save_data:
@@ -197,7 +201,7 @@ def _fit(cfg: TrainDrafterConfig, head: Eagle3Head, target, train: list[Sample],
         embeds, aux, labels = _target_pass(target, groups[order.pop()], vocab, head.spec.aux_layers, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = ttt_forward(head, embeds, aux, cfg.ttt_steps)
-        loss, per_step = ttt_loss(logits, labels, cfg.decay)
+        loss, per_step = ttt_loss(logits, labels, cfg.decay, cfg.root_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)

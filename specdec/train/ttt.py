@@ -84,17 +84,30 @@ class Labels:
     in_vocab: torch.Tensor   # [B, T] bool: next_id is in the draft vocabulary
 
 
-def ttt_loss(logits: list[torch.Tensor], labels: Labels, decay: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def ttt_loss(logits: list[torch.Tensor], labels: Labels, decay: float,
+             root_weight: float = 0.0) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Soft cross-entropy to the target per step, weighted decay**j -> (loss, per-step losses, detached).
-    Positions whose target token the draft vocabulary cannot express teach nothing (masked)."""
+    Positions whose target token the draft vocabulary cannot express teach nothing (masked).
+
+    root_weight > 0 weighs the chains from root t by 1 + root_weight when the head's first draft
+    from root t - 1 (its guess at x_t+1) missed: greedy decoding starts its next step right after
+    a miss far more often than at a random position, and those roots are the harder ones
+    (scripts/eval_head.py measures both)."""
     total = logits[0].new_zeros((), dtype=torch.float32)
     per_step = []
-    usable = labels.learn & labels.in_vocab
+    usable = (labels.learn & labels.in_vocab).float()                      # [B, T]
+    weight = torch.ones_like(usable)
+    if root_weight:
+        # logits[0][:, t - 1] drafts the token at position t + 1, whose label is labels at p = t
+        with torch.no_grad():
+            guess = logits[0].argmax(-1)                                   # [B, T] draft-vocabulary ids
+            right = (guess[:, :-1] == labels.probs[:, 1:].argmax(-1)) & labels.in_vocab[:, 1:]
+            weight[:, 1:] += root_weight * (~right).float()
     for j, lg in enumerate(logits):
         n = lg.shape[1] - 1 - j
         if n <= 0:
             break
-        mask = usable[:, 1 + j:].float()
+        mask = usable[:, 1 + j:] * weight[:, :n]
         ce = -(labels.probs[:, 1 + j:] * F.log_softmax(lg[:, :n].float(), dim=-1)).sum(-1)
         step = (ce * mask).sum() / mask.sum().clamp(min=1.0)
         total = total + decay ** j * step
