@@ -253,3 +253,34 @@ def test_a_lucky_fast_step_does_not_make_drafts_at_zero_acceptance_look_free():
         if c != OFF:
             p.calibration.observe(c.kind, c.name, c.width, 2, 0.001, 0.010)   # one lucky step each
     assert off.choice == OFF and p.plan(["r0", "r1"], 0, 1, 0.0).choice == OFF
+
+
+def test_speculation_must_beat_off_by_the_margin():
+    """Near break-even (verification compute-bound, high acceptance) a speculative choice scored
+    less than `speculation_margin` above off is not taken; one scored above it is, as without the
+    margin. The acceptance grid covers both sides of the bar."""
+    def compute_bound(b, w):
+        return 0.002 + 0.0004 * b * w
+
+    costs = profile(compute_bound, cheap_draft)
+    ids = [f"r{i}" for i in range(8)]
+    seen = set()
+    for a in np.linspace(0.7, 0.95, 11):
+        book = AcceptanceBook()
+        free = AutoPolicy(costs, book, menu(costs, 64, False), speculation_margin=0.0)
+        kept = AutoPolicy(costs, book, menu(costs, 64, False))   # the default margin, 5%
+        rng = np.random.default_rng(0)
+        for sid in ids:
+            observe(free, sid, "chain", a, 200, rng)
+            observe(free, sid, "tree", a, 200, rng)
+        want, got = free.plan(ids, 0, 1, 0.0), kept.plan(ids, 0, 1, 0.0)
+        gain = want.tokens_per_second * compute_bound(len(ids), 1) / len(ids)   # against off's rate
+        if want.choice == OFF or gain < 1.05:
+            assert got.choice == OFF, (a, gain)
+            kept.current = want.choice   # nor is a choice it was running kept below the bar
+            assert kept.plan(ids, 0, 1, 0.0).choice == OFF, (a, gain)
+            seen.add("off" if want.choice == OFF else "below")
+        else:
+            assert (got.choice, got.speculating) == (want.choice, want.speculating), (a, gain)
+            seen.add("above")
+    assert seen == {"off", "below", "above"}

@@ -16,8 +16,12 @@ whole chain is accepted (only then is an overlap pre-draft usable); and the cost
 start-up profiles (gateway/auto/costs.py) times a calibration: measured / modelled step time per
 choice and batch bucket, which carries what the profiles cannot see (gRPC and Python on three hops,
 contention on a shared GPU). A request speculates only while its expected gain pays for its share of
-the draft step. The policy keeps its current choice unless another is `switch_margin` better, so it
-does not flap between near-equal choices. A new drafter is first measured with cheap probes (one
+the draft step. Speculation must beat off by `speculation_margin`: the best of several noisy
+estimates is more often overestimated than not, and a speculative step has costs no step time
+shows (requests that end at different steps leave small batches behind, prompts that arrive
+apart prefill apart); on the H200 a tree scored within a few percent of off at a = 0.8, C = 32 was
+chosen on upward errors and ran the closed loop at 0.80x of off. The policy keeps its current
+choice unless another is `switch_margin` better, so it does not flap between near-equal choices. A new drafter is first measured with cheap probes (one
 request drafts one token); when speculation is off the policy still probes now and then, the
 interval doubling while probes keep losing, so a rising acceptance is noticed; and now and then a
 close rival from another acceptance family (a tree against a chain) runs one step, so a family is
@@ -114,6 +118,7 @@ class Plan:
 
 class AutoPolicy:
     def __init__(self, costs: CostModel, book: AcceptanceBook, choices: list[Choice], switch_margin: float = 0.03,
+                 speculation_margin: float = 0.05,
                  probe_start: int = 16, probe_max: int = 1024, min_observations: int = 5,
                  challenge_every: int = 32, challenge_within: float = 0.25, min_measured: int = 3) -> None:
         """probe_start, probe_max: plans (calls of `plan`) between probes, first and at most;
@@ -127,7 +132,7 @@ class AutoPolicy:
         self.min_observations, self.min_measured = min_observations, min_measured
         self.challenge_every, self.challenge_within = challenge_every, challenge_within
         self.plans_since_challenge = 0
-        self.switch_margin = switch_margin
+        self.switch_margin, self.speculation_margin = switch_margin, speculation_margin
         self.current = OFF
         self.probe_start, self.probe_max = probe_start, probe_max
         self.probe_interval = probe_start
@@ -193,7 +198,12 @@ class AutoPolicy:
         return [self._score(c, seq_ids, others, other_width, other_tokens, prefix.get(c.family)) for c in choices]
 
     def _best(self, scored: list[Plan]) -> Plan:
-        """The best plan, or the current choice's unless the best is `switch_margin` better."""
+        """The best plan among off and the speculative ones `speculation_margin` better than off, or
+        the current choice's (if among them) unless the best is `switch_margin` better."""
+        off = next((p for p in scored if p.choice == OFF), None)
+        if off is not None:
+            bar = off.tokens_per_second * (1 + self.speculation_margin)
+            scored = [p for p in scored if p.choice == OFF or p.tokens_per_second >= bar]
         best = max(scored, key=lambda p: p.tokens_per_second)
         current = next((p for p in scored if p.choice == self.current), None)
         if current is not None and best.tokens_per_second <= current.tokens_per_second * (1 + self.switch_margin):
