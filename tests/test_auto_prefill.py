@@ -19,10 +19,11 @@ DRAFT_SHAPES = [*(chain_shape(k) for k in AUTO_CHAIN_KS), *(predraft_shape(k) fo
                 *(tree_shape(*t) for t in AUTO_TREES)]
 
 
-def controller(verifier_gpu: str = "gpu-0", drafter_gpu: str = "gpu-1", cycle: bool = False) -> AutoController:
+def controller(verifier_gpu: str = "gpu-0", drafter_gpu: str = "gpu-1", cycle: bool = False,
+               replan_every: int = 1) -> AutoController:
     verify = [StepCost(f"verify:{w}", b, 0.01) for w in VERIFY_WIDTHS for b in BATCHES]
     draft = [StepCost(s, b, 0.0005) for b in BATCHES for s in DRAFT_SHAPES]
-    return AutoController(verify, lambda: (draft, [drafter_gpu]), 64, replan_every=1, cycle=cycle,
+    return AutoController(verify, lambda: (draft, [drafter_gpu]), 64, replan_every=replan_every, cycle=cycle,
                           verifier_accelerators=[verifier_gpu])
 
 

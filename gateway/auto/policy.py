@@ -139,7 +139,7 @@ class AutoPolicy:
         self.steps_off = 0
 
     def plan(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
-             explore: bool = True, remaining: np.ndarray | None = None) -> Plan:
+             explore: bool = True, remaining: np.ndarray | None = None, steps: int = 1) -> Plan:
         """seq_ids: the auto requests of this step; others: the step's other sequences (fixed
         modes), the widest draft among them and the tokens they are expected to commit.
         remaining: [len(seq_ids)] tokens each request may still generate (a draft cannot gain more
@@ -148,7 +148,9 @@ class AutoPolicy:
         choices whose step time at this batch size rests on `min_measured` measurements of their
         own; no probe, no challenge, and the policy's state is left as it was. Else a choice tried
         there on a borrowed estimate would never be measured, and each wave's ramp would try it
-        again (the H200 sweep: trees chosen while 32 prompts prefilled, 0.88x of off)."""
+        again (the H200 sweep: trees chosen while 32 prompts prefilled, 0.88x of off).
+        steps: the steps since the last plan (a caller that keeps a plan for several steps); the
+        intervals between probes count steps."""
         if not explore:
             return self._plan_measured(seq_ids, others, other_width, other_tokens, remaining)
         probe = self._probe_choice()
@@ -165,7 +167,7 @@ class AutoPolicy:
             if rivals:   # one step, not kept (like a probe)
                 return dataclasses.replace(max(rivals, key=lambda p: p.tokens_per_second), probe=True)
         if best.choice == OFF and seq_ids and len(self.choices) > 1:
-            self.steps_off += 1
+            self.steps_off += steps
             if self.steps_off >= self.probe_interval and probe is not None:   # look again, cheaply
                 self.steps_off = 0
                 self.probe_interval = min(self.probe_interval * 2, self.probe_max)
@@ -285,7 +287,7 @@ class CyclingPolicy:
         self.choices, self.step = choices, 0
 
     def plan(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
-             explore: bool = True, remaining: np.ndarray | None = None) -> Plan:
+             explore: bool = True, remaining: np.ndarray | None = None, steps: int = 1) -> Plan:
         choice = self.choices[self.step % len(self.choices)]
         self.step += 1
         return Plan(choice, [] if choice == OFF else list(seq_ids), 0.0)
