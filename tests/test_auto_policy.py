@@ -284,3 +284,38 @@ def test_speculation_must_beat_off_by_the_margin():
             assert (got.choice, got.speculating) == (want.choice, want.speculating), (a, gain)
             seen.add("above")
     assert seen == {"off", "below", "above"}
+
+
+def test_a_steps_verdicts_counted_at_once_equal_them_one_by_one():
+    """The book counts a step's verdicts in one batch (per family, one row per request): the rates
+    are those of counting each verdict in turn, per request and for the drafter, through request
+    rows freed and reused and tables grown."""
+    rng = np.random.default_rng(1)
+    book, one_by_one = AcceptanceBook(), AcceptanceBook()
+    counts: dict[str, tuple[np.ndarray, np.ndarray]] = {}     # per request, counted by hand
+    live: list[str] = []
+    for step in range(60):
+        ended = [s for s in live if rng.random() < 0.15]
+        for s in ended:
+            book.forget(s)
+            counts.pop(s)
+        live = [s for s in live if s not in ended] + [f"s{step}-{i}" for i in range(int(rng.integers(0, 4)))]
+        if not live:
+            continue
+        depths = rng.integers(1, 9, len(live))
+        accepted = np.array([rng.integers(0, d + 1) for d in depths])
+        book.observe_many(live, "chain", depths, accepted)
+        for s, d, a in zip(live, depths, accepted):
+            one_by_one.observe(s, "chain", int(d), int(a))
+            tried, right = counts.setdefault(s, (np.zeros(16), np.zeros(16)))
+            tried *= book.request_decay
+            right *= book.request_decay
+            tried[:min(a + 1, d)] += 1
+            right[:a] += 1
+        prior = book.drafter_rates("chain")
+        np.testing.assert_allclose(prior, one_by_one.drafter_rates("chain"), rtol=1e-12)
+        w = book.prior_weight
+        want = np.stack([(counts[s][1] + w * prior) / (counts[s][0] + w) for s in live] + [prior])
+        np.testing.assert_allclose(book.request_rates(live + ["never-seen"], "chain"), want, rtol=1e-12)
+    assert len(book.requests["chain"].tried) > 8    # the table grew
+    assert AcceptanceBook().request_rates(["x"], "tree 2/4/8").shape == (1, 16)

@@ -30,11 +30,16 @@ class Rates:
         self.count = 0
 
     def observe(self, depth: int, accepted: int) -> None:
-        self.tried *= self.decay
-        self.accepted *= self.decay
-        self.count += 1
-        self.tried[:min(accepted + 1, depth)] += 1.0
-        self.accepted[:accepted] += 1.0
+        self.observe_many(np.array([depth]), np.array([accepted]))
+
+    def observe_many(self, depths: np.ndarray, accepted: np.ndarray) -> None:
+        """n verdicts at once, exactly as n calls of `observe` in order (the i-th weighs decay^(n-1-i))."""
+        n = len(depths)
+        weights = self.decay ** np.arange(n - 1, -1, -1, dtype=np.float64)          # [n]
+        tried, right = position_masks(depths, accepted)                              # [n, P] each
+        self.tried = self.tried * self.decay ** n + weights @ tried
+        self.accepted = self.accepted * self.decay ** n + weights @ right
+        self.count += n
 
     def estimate(self, prior: np.ndarray, weight: float) -> np.ndarray:
         """Per-position rates [MAX_POSITIONS], each shrunk towards `prior` by `weight` pseudo-counts."""
@@ -72,6 +77,56 @@ def expected_tokens(rates: np.ndarray, depth: int) -> np.ndarray:
     return 1.0 + np.cumprod(rates[..., :depth], axis=-1).sum(-1)
 
 
+def position_masks(depths: np.ndarray, accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Verdicts [n] -> positions tried [n, P] (1..min(a+1, depth)) and accepted [n, P] (1..a), as 0/1."""
+    positions = np.arange(MAX_POSITIONS)
+    tried = positions < np.minimum(accepted + 1, depths)[:, None]
+    return tried.astype(np.float64), (positions < accepted[:, None]).astype(np.float64)
+
+
+class RequestTable:
+    """Every request's decaying counts for one family, a row each, so one step's verdicts update
+    all their rows in a few array operations (not a handful per request)."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.rows: dict[str, int] = {}
+        self.free: list[int] = []
+        self.tried = np.zeros((8, MAX_POSITIONS))
+        self.accepted = np.zeros((8, MAX_POSITIONS))
+
+    def _row(self, seq_id: str) -> int:
+        row = self.rows.get(seq_id)
+        if row is None:
+            if not self.free:
+                n = len(self.tried)
+                self.tried = np.concatenate([self.tried, np.zeros_like(self.tried)])
+                self.accepted = np.concatenate([self.accepted, np.zeros_like(self.accepted)])
+                self.free = list(range(2 * n - 1, n - 1, -1))
+            row = self.rows[seq_id] = self.free.pop()
+        return row
+
+    def observe_many(self, seq_ids: list[str], depths: np.ndarray, accepted: np.ndarray) -> None:
+        """One verdict per request (seq_ids distinct)."""
+        rows = np.fromiter((self._row(s) for s in seq_ids), dtype=np.int64, count=len(seq_ids))
+        tried, right = position_masks(depths, accepted)
+        self.tried[rows] = self.tried[rows] * self.decay + tried
+        self.accepted[rows] = self.accepted[rows] * self.decay + right
+
+    def counts(self, seq_ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """-> tried, accepted [len(seq_ids), P] (zeros for a request with no verdict yet)."""
+        rows = np.fromiter((self.rows.get(s, -1) for s in seq_ids), dtype=np.int64, count=len(seq_ids))
+        known = (rows >= 0)[:, None]
+        return (np.where(known, self.tried[rows.clip(min=0)], 0.0),
+                np.where(known, self.accepted[rows.clip(min=0)], 0.0))
+
+    def forget(self, seq_id: str) -> None:
+        row = self.rows.pop(seq_id, None)
+        if row is not None:
+            self.tried[row] = self.accepted[row] = 0.0
+            self.free.append(row)
+
+
 class AcceptanceBook:
     """One drafter replica's estimates and its requests' estimates, per family."""
 
@@ -81,14 +136,19 @@ class AcceptanceBook:
         self.drafter_decay, self.request_decay = drafter_decay, request_decay
         self.prior_weight, self.optimism = prior_weight, optimism
         self.drafter: dict[str, Rates] = {}
-        self.requests: dict[str, dict[str, Rates]] = {}
+        self.requests: dict[str, RequestTable] = {}   # by family
 
     def observe(self, seq_id: str, family: str, depth: int, accepted: int) -> None:
-        self.drafter.setdefault(family, Rates(self.drafter_decay)).observe(depth, accepted)
-        self.requests.setdefault(seq_id, {}).setdefault(family, Rates(self.request_decay)).observe(depth, accepted)
+        self.observe_many([seq_id], family, np.array([depth]), np.array([accepted]))
+
+    def observe_many(self, seq_ids: list[str], family: str, depths: np.ndarray, accepted: np.ndarray) -> None:
+        """A step's verdicts for one family, one per request (seq_ids distinct), in order."""
+        self.drafter.setdefault(family, Rates(self.drafter_decay)).observe_many(depths, accepted)
+        self.requests.setdefault(family, RequestTable(self.request_decay)).observe_many(seq_ids, depths, accepted)
 
     def forget(self, seq_id: str) -> None:
-        self.requests.pop(seq_id, None)
+        for table in self.requests.values():
+            table.forget(seq_id)
 
     def drafter_observations(self, family: str) -> int:
         own = self.drafter.get(family)
@@ -105,8 +165,8 @@ class AcceptanceBook:
     def request_rates(self, seq_ids: list[str], family: str) -> np.ndarray:
         """[len(seq_ids), MAX_POSITIONS]: each request's rates for `family` (one vectorised shrink)."""
         prior = self.drafter_rates(family)
-        zeros = np.zeros(MAX_POSITIONS)
-        own = [self.requests.get(sid, {}).get(family) for sid in seq_ids]
-        tried = np.stack([r.tried if r is not None else zeros for r in own])
-        accepted = np.stack([r.accepted if r is not None else zeros for r in own])
+        table = self.requests.get(family)
+        if table is None:
+            return np.broadcast_to(prior, (len(seq_ids), MAX_POSITIONS)).copy()
+        tried, accepted = table.counts(seq_ids)
         return (accepted + self.prior_weight * prior) / (tried + self.prior_weight)

@@ -3,8 +3,8 @@
 Each step, `plan` sets every auto request's mode and draft settings for that step (the policy's
 choice, or off for those it leaves out), dropping a ready draft of another shape. After the
 verdicts, `observe_verdict` records each speculating request's accepted positions (fixed-mode
-requests too: they measure the same drafter) and the choice it ran, and `observe_step` gives the
-policy the step's measured time. Without both services' cost profiles (started with
+requests too: they measure the same drafter; counted in one batch at the next plan) and the
+choice it ran, and `observe_step` gives the policy the step's measured time. Without both services' cost profiles (started with
 --no-cost-profile) auto requests fall back to the gateway's default chain.
 """
 
@@ -40,6 +40,7 @@ class AutoController:
         self.verifier_accelerators = set(verifier_accelerators)
         self.max_draft_tokens = max_draft_tokens
         self.book = AcceptanceBook()
+        self.pending: dict[str, tuple[list[str], list[int], list[int]]] = {}   # verdicts by family, not yet counted
         self.policies: dict[bool, AutoPolicy | CyclingPolicy] = {}   # by whether overlap is allowed
         self.costs: CostModel | None = None
         self.log = log or structlog.get_logger(service="gateway")
@@ -94,6 +95,7 @@ class AutoController:
         """prefilling: the step also prefills prompts (its time will not be measured), so it runs
         only choices already measured at this batch size (AutoPolicy.plan's explore=False)."""
         self.step_plans = []
+        self._flush_verdicts()
         auto = [r for r in continuing if r.auto and not r.parked]
         if not auto:
             return
@@ -185,10 +187,20 @@ class AutoController:
 
     # ---- after the step ----------------------------------------------------------------------
     def observe_verdict(self, r: ActiveRequest, drafted_depth: int, accepted: int) -> None:
+        """Recorded now, counted at the next plan (or forget): a step's verdicts update the
+        acceptance book in one batch per family."""
         if drafted_depth:
-            self.book.observe(r.seq_id, r.draft_family, drafted_depth, accepted)
+            ids, depths, accepts = self.pending.setdefault(r.draft_family, ([], [], []))
+            ids.append(r.seq_id)
+            depths.append(drafted_depth)
+            accepts.append(accepted)
         if r.auto:
             r.stats.steps_by_mode[r.choice or "off"] += 1
+
+    def _flush_verdicts(self) -> None:
+        for family, (ids, depths, accepts) in self.pending.items():
+            self.book.observe_many(ids, family, np.array(depths), np.array(accepts))
+        self.pending.clear()
 
     def observe_step(self, seconds: float) -> None:
         """The step's wall time after its plan (drafts, verify, pre-drafts, the verdicts applied),
@@ -208,6 +220,7 @@ class AutoController:
                 policy.observe_step(plan, seconds)
 
     def forget(self, r: ActiveRequest) -> None:
+        self._flush_verdicts()   # its last verdict still counts for its drafter
         self.book.forget(r.seq_id)
 
 

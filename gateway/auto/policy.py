@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -50,7 +51,7 @@ class Choice:
     depth: int = 0
     budget: int = 0
 
-    @property
+    @cached_property
     def name(self) -> str:
         if self.mode == Mode.OFF:
             return "off"
@@ -58,14 +59,14 @@ class Choice:
             return f"chain k={self.k}" + (" overlap" if self.overlap else "")
         return f"tree {self.topk}/{self.depth}/{self.budget}"
 
-    @property
+    @cached_property
     def kind(self) -> str:
         """Choices whose step-time errors are alike (calibration borrows within a kind)."""
         if self.mode == Mode.CHAIN:
             return "chain overlap" if self.overlap else "chain"
         return self.mode.value
 
-    @property
+    @cached_property
     def family(self) -> str:
         """Which acceptance estimate prices it: all chains share one (a chain of k is a prefix of k+1)."""
         return "chain" if self.mode == Mode.CHAIN else tree_shape(self.topk, self.depth, self.budget)
