@@ -4,8 +4,9 @@ Each step, `plan` sets every auto request's mode and draft settings for that ste
 choice, or off for those it leaves out), dropping a ready draft of another shape. After the
 verdicts, `observe_verdict` records each speculating request's accepted positions (fixed-mode
 requests too: they measure the same drafter; counted in one batch at the next plan) and the
-choice it ran, and `observe_step` gives the policy the step's measured time. Without both services' cost profiles (started with
---no-cost-profile) auto requests fall back to the gateway's default chain.
+choice it ran, and `observe_step` gives the policy the step's measured time. Without both
+services' cost profiles (started with --no-cost-profile) auto requests fall back to the gateway's
+default chain.
 """
 
 from __future__ import annotations

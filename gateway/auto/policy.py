@@ -21,11 +21,12 @@ estimates is more often overestimated than not, and a speculative step has costs
 shows (requests that end at different steps leave small batches behind, prompts that arrive
 apart prefill apart); on the H200 a tree scored within a few percent of off at a = 0.8, C = 32 was
 chosen on upward errors and ran the closed loop at 0.80x of off. The policy keeps its current
-choice unless another is `switch_margin` better, so it does not flap between near-equal choices. A new drafter is first measured with cheap probes (one
-request drafts one token); when speculation is off the policy still probes now and then, the
-interval doubling while probes keep losing, so a rising acceptance is noticed; and now and then a
-close rival from another acceptance family (a tree against a chain) runs one step, so a family is
-not abandoned on a few unlucky verdicts.
+choice unless another is `switch_margin` better, so it does not flap between near-equal choices.
+A new drafter is first measured with cheap probes (one request drafts one token); when
+speculation is off the policy still probes now and then, the interval doubling while probes keep
+losing, so a rising acceptance is noticed; and now and then a close rival from another acceptance
+family (a tree against a chain) runs one step, so a family is not abandoned on a few unlucky
+verdicts.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ class AutoPolicy:
                  speculation_margin: float = 0.05,
                  probe_start: int = 16, probe_max: int = 1024, min_observations: int = 5,
                  challenge_every: int = 32, challenge_within: float = 0.25, min_measured: int = 3) -> None:
-        """probe_start, probe_max: plans (calls of `plan`) between probes, first and at most;
+        """probe_start, probe_max: steps off between probes, first and at most (each `plan` call
+        counts its `steps`);
         min_observations: verdicts the drafter needs before a plan trusts its acceptance (until
         then each plan is a probe); every `challenge_every` plans the best choice of another
         acceptance family, if predicted within `challenge_within` of the best, runs one step, so
