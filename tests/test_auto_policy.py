@@ -319,3 +319,41 @@ def test_a_steps_verdicts_counted_at_once_equal_them_one_by_one():
         np.testing.assert_allclose(book.request_rates(live + ["never-seen"], "chain"), want, rtol=1e-12)
     assert len(book.requests["chain"].tried) > 8    # the table grew
     assert AcceptanceBook().request_rates(["x"], "tree 2/4/8").shape == (1, 16)
+
+
+def test_one_slow_step_does_not_rule_a_kind_out_for_good():
+    """The H200 case (a = 0.9, C = 1): the only chain step measured at batch 1 was a transient at
+    2.5x its model, every chain there borrowed that figure, and auto kept a tree that was a few
+    percent worse than a chain. Its challenges (a rival family's best, now and then) price the rival
+    with borrowed figures from a single step taken as provisional, so the chain runs again, its own
+    measurement replaces the borrowed one, and auto moves to it."""
+    def flat(b, w):
+        return 0.010
+
+    def draft(b, n):   # a tree drafts topk rows a position: dearer than a chain of the same depth
+        return 0.0008 * n * b
+
+    p = policy(profile(flat, draft))
+    rng = np.random.default_rng(0)
+    observe(p, "r0", "chain", 0.9, 200, rng)
+    for c in p.choices:
+        if c.mode == Mode.TREE:
+            observe(p, "r0", c.family, 0.9, 200, rng)
+    true = {c.name: flat(1, c.width) + (draft(c.topk or 1, c.positions) if c != OFF else 0.0) for c in p.choices}
+    model = {c.name: p._seconds(c, 1, 1, c.width, None) if c != OFF else flat(1, 1) for c in p.choices}
+    for c in p.choices:   # everything measured at batch 1 as the model says, but chains: one slow k=8 step
+        if c.mode != Mode.CHAIN:
+            for _ in range(3):
+                p.calibration.observe(c.kind, c.name, c.width, 1, true[c.name], model[c.name])
+    k8 = next(c for c in p.choices if c.name == "chain k=8")
+    p.calibration.observe(k8.kind, k8.name, k8.width, 1, 2.5 * true[k8.name], model[k8.name])
+    assert p.plan(["r0"], 0, 1, 0.0).choice.mode == Mode.TREE       # the borrowed 2.5x rules chains out
+    ran = []
+    for _ in range(200):
+        plan = p.plan(["r0"], 0, 1, 0.0)
+        ran.append(plan.choice.name)
+        p.observe_step(plan, true[plan.choice.name])
+        if plan.speculating:
+            observe(p, "r0", plan.choice.family, 0.9, 1, rng, plan.choice.positions)
+    assert p.current.mode == Mode.CHAIN, ran[-20:]
+    assert sum(name.startswith("chain") for name in ran[-50:]) >= 45

@@ -67,20 +67,41 @@ class StepCalibration:
         """Steps of this choice measured at this batch size's bucket (in the window)."""
         return len(self.samples.get((name, bucket(batch)), ()))
 
-    def ratio(self, kind: str, name: str, width: int, batch: int) -> float:
+    def ratio(self, kind: str, name: str, width: int, batch: int, optimistic: bool = False) -> float:
+        """optimistic: a borrowed figure resting on fewer than three steps is only an upper bound;
+        the next figure in order, down to the first one confirmed by three steps (or, with none,
+        what the choices confirmed at this bucket typically measure), may lower it. Challenges
+        price their rivals so: on the H200 one chain step at 1.8x its model (a transient) priced
+        every chain at batch 1 for the rest of the run (0.90 of the best fixed mode, a = 0.9)."""
         b = bucket(batch)
         if (name, b) in self.samples:
             return _value(self.samples[(name, b)])
+        best = None
+        for ratios, scale in self._borrowed(kind, name, width, b):
+            value = _value(ratios) * scale
+            if not optimistic:
+                return value
+            best = value if best is None else min(best, value)
+            if len(ratios) >= 3:   # confirmed: what comes after it is a cruder guess
+                return best
+        if best is None:
+            return 1.0
+        confirmed = [_value(q) for (_, x), q in self.samples.items() if x == b and len(q) >= 3]
+        return min(best, statistics.median(confirmed) if confirmed else 1.0)
+
+    def _borrowed(self, kind: str, name: str, width: int, b: int):
+        """(ratios, scale) for a choice not measured at bucket b, in the order a figure is taken
+        from: its kind's at b (closest width first), then its own or its kind's at the nearest
+        bucket, times the trend between the buckets."""
         by_width = sorted(self.kinds.get(kind, {}).items(), key=lambda kv: (abs(kv[0] - width), kv[0]))
-        kin = [n for _, names in by_width for n in sorted(names)]       # its kind, closest width first
-        for other in kin:                                               # a neighbour at this batch size
+        kin = [n for _, names in by_width for n in sorted(names) if n != name]
+        for other in kin:
             if (other, b) in self.samples:
-                return _value(self.samples[(other, b)])
-        for candidate in [name, *kin]:                                  # itself, then its kind, elsewhere
+                yield self.samples[(other, b)], 1.0
+        for candidate in [name, *kin]:
             near = self._nearest_bucket(candidate, b)
             if near is not None:
-                return _value(self.samples[(candidate, near)]) * self._trend(near, b)
-        return 1.0
+                yield self.samples[(candidate, near)], self._trend(near, b)
 
     def _nearest_bucket(self, name: str, b: int) -> int | None:
         measured = [x for (n, x) in self.samples if n == name]

@@ -26,7 +26,8 @@ A new drafter is first measured with cheap probes (one request drafts one token)
 speculation is off the policy still probes now and then, the interval doubling while probes keep
 losing, so a rising acceptance is noticed; and now and then a close rival from another acceptance
 family (a tree against a chain) runs one step, so a family is not abandoned on a few unlucky
-verdicts.
+verdicts or on one slow step of a sibling (rivals are priced with StepCalibration's optimistic
+figures).
 """
 
 from __future__ import annotations
@@ -165,8 +166,12 @@ class AutoPolicy:
         self.plans_since_challenge += 1
         if self.plans_since_challenge >= self.challenge_every and best.choice != OFF:
             self.plans_since_challenge = 0
-            rivals = [p for p in scored if p.choice != OFF and p.choice.family != best.choice.family
-                      and p.tokens_per_second >= (1 - self.challenge_within) * best.tokens_per_second]
+            # Rivals priced optimistically: a figure borrowed from a single step of a sibling (a
+            # transient, perhaps) must not keep a whole kind from ever running here again.
+            rival_choices = [c for c in self.choices if c != OFF and c.family != best.choice.family]
+            rivals = [p for p in self._scored(rival_choices, seq_ids, others, other_width, other_tokens, remaining,
+                                              optimistic=True)
+                      if p.tokens_per_second >= (1 - self.challenge_within) * best.tokens_per_second]
             if rivals:   # one step, not kept (like a probe)
                 return dataclasses.replace(max(rivals, key=lambda p: p.tokens_per_second), probe=True)
         if best.choice == OFF and seq_ids and len(self.choices) > 1:
@@ -190,7 +195,7 @@ class AutoPolicy:
         return c == OFF or self.calibration.measured(c.name, batch) >= self.min_measured
 
     def _scored(self, choices: list[Choice], seq_ids: list[str], others: int, other_width: int,
-                other_tokens: float, remaining: np.ndarray | None) -> list[Plan]:
+                other_tokens: float, remaining: np.ndarray | None, optimistic: bool = False) -> list[Plan]:
         # Per family, once: [n, positions] cumulative products (P(positions 1..j all accepted)) and
         # their running sums (expected accepted drafts of a depth-j draft): each choice reads a column.
         prefix = {}
@@ -200,7 +205,8 @@ class AutoPolicy:
             if remaining is not None:   # the step commits one token anyway; drafts add at most the rest
                 gains = np.minimum(gains, np.maximum(remaining - 1, 0)[:, None])
             prefix[f] = (gains, accepted_through)
-        return [self._score(c, seq_ids, others, other_width, other_tokens, prefix.get(c.family)) for c in choices]
+        return [self._score(c, seq_ids, others, other_width, other_tokens, prefix.get(c.family), optimistic)
+                for c in choices]
 
     def _best(self, scored: list[Plan]) -> Plan:
         """The best plan among off and the speculative ones `speculation_margin` better than off, or
@@ -236,9 +242,10 @@ class AutoPolicy:
                     model_seconds=self._seconds(c, batch, 1, c.width, np.zeros(1)))
 
     def _score(self, c: Choice, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
-               prefix: tuple[np.ndarray, np.ndarray] | None) -> Plan:
+               prefix: tuple[np.ndarray, np.ndarray] | None, optimistic: bool = False) -> Plan:
         """prefix: for c's family, the requests' expected accepted drafts by depth and their
-        probabilities of accepting a whole draft of each depth ([n, positions] each)."""
+        probabilities of accepting a whole draft of each depth ([n, positions] each); optimistic:
+        c's step time as StepCalibration.ratio(optimistic=True) prices it."""
         batch = len(seq_ids) + others
         if c == OFF or not seq_ids:
             seconds = self.costs.verify(batch, max(1, other_width))
@@ -248,7 +255,7 @@ class AutoPolicy:
         gain = prefix[0][:, c.positions - 1]                           # [n] E - 1
         full = prefix[1][:, c.positions - 1]                           # [n]
         order = np.argsort(-gain)
-        ratio = self.calibration.ratio(c.kind, c.name, c.width, batch)
+        ratio = self.calibration.ratio(c.kind, c.name, c.width, batch, optimistic)
         # A speculative step does all that a plain one does and drafts besides, so it is never priced
         # below that (plus the draft, unless overlap hides it): a calibration resting on one lucky
         # fast step (a loaded machine) must not make speculation at zero acceptance look free.
