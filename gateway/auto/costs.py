@@ -69,10 +69,11 @@ class StepCalibration:
 
     def ratio(self, kind: str, name: str, width: int, batch: int, optimistic: bool = False) -> float:
         """optimistic: a borrowed figure resting on fewer than three steps is only an upper bound;
-        the next figure in order, down to the first one confirmed by three steps (or, with none,
-        what the choices confirmed at this bucket typically measure), may lower it. Challenges
-        price their rivals so: on the H200 one chain step at 1.8x its model (a transient) priced
-        every chain at batch 1 for the rest of the run (0.90 of the best fixed mode, a = 0.9)."""
+        the next figure in order, down to the first one confirmed by three steps (with none: what
+        the choices confirmed at this bucket typically measure, else the bare model), may lower
+        it. Challenges price their rivals so: on the H200 one chain step at 1.8x its model (a
+        transient) priced every chain at batch 1 for the rest of the run (0.90 of the best fixed
+        mode, a = 0.9)."""
         b = bucket(batch)
         if (name, b) in self.samples:
             return _value(self.samples[(name, b)])
