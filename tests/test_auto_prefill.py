@@ -32,14 +32,14 @@ def request(i: int) -> ActiveRequest:
     return ActiveRequest(req=req, seq_id=f"s{i}", mode=Mode.AUTO, detok=None, sampling=GREEDY, drafter="d:1")
 
 
-def step(auto: AutoController, reqs: list[ActiveRequest], prefilling: bool) -> None:
-    """One step where every draft is accepted whole; its time is the profile's (measured only
-    without a prefill, as the scheduler does)."""
+def step(auto: AutoController, reqs: list[ActiveRequest], prefilling: bool, accept: bool = True) -> None:
+    """One step where every draft is accepted whole (or, accept=False, none of it); its time is the
+    profile's (measured only without a prefill, as the scheduler does)."""
     auto.plan(reqs, prefilling)
     for r in reqs:
         depth = r.settings.k if r.mode == Mode.CHAIN else r.settings.depth if r.mode == Mode.TREE else 0
         r.draft_family = draft_family(r.settings, r.mode)
-        auto.observe_verdict(r, depth, depth)
+        auto.observe_verdict(r, depth, depth if accept else 0)
     if not prefilling:
         auto.observe_step(0.01 + 0.0005 * any(r.mode != Mode.OFF for r in reqs))
 

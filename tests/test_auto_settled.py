@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from test_auto_prefill import controller, request
+from test_auto_prefill import controller, request, step
 
-from gateway.auto.controller import AutoController, draft_family
+from gateway.auto.controller import AutoController
 from gateway.auto.policy import OFF
 from gateway.request import Mode
 
@@ -25,14 +25,9 @@ def run(auto: AutoController, reqs, steps: int, accept: bool) -> tuple[list[int]
 
     policy.plan = counting
     for i in range(steps):
-        auto.plan(reqs)
+        step(auto, reqs, prefilling=False, accept=accept)
         if any(r.mode != Mode.OFF for r in reqs) and auto.step_plans[0][1].probe:
             probed.append(i)
-        for r in reqs:
-            depth = r.settings.k if r.mode == Mode.CHAIN else r.settings.depth if r.mode == Mode.TREE else 0
-            r.draft_family = draft_family(r.settings, r.mode)
-            auto.observe_verdict(r, depth, depth if accept else 0)
-        auto.observe_step(0.01 + 0.0005 * any(r.mode != Mode.OFF for r in reqs))
     policy.plan = real
     return planned, probed
 

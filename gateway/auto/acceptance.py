@@ -29,11 +29,8 @@ class Rates:
         self.accepted = np.zeros(MAX_POSITIONS)
         self.count = 0
 
-    def observe(self, depth: int, accepted: int) -> None:
-        self.observe_many(np.array([depth]), np.array([accepted]))
-
     def observe_many(self, depths: np.ndarray, accepted: np.ndarray) -> None:
-        """n verdicts at once, exactly as n calls of `observe` in order (the i-th weighs decay^(n-1-i))."""
+        """n verdicts in order, each decaying the counts before it (the i-th weighs decay^(n-1-i))."""
         n = len(depths)
         weights = self.decay ** np.arange(n - 1, -1, -1, dtype=np.float64)          # [n]
         tried, right = position_masks(depths, accepted)                              # [n, P] each

@@ -47,7 +47,7 @@ def answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, bat
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    answers: list[list[int]] = [[] for _ in prompts]
+    continuations: list[list[int]] = [[] for _ in prompts]
     for start in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch"):
         idx = order[start:start + batch_size]
         width = max(len(prompts[i]) for i in idx)
@@ -64,8 +64,8 @@ def answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, bat
                              pad_token_id=pad, eos_token_id=eos, **sample)
         for row, i in enumerate(idx):
             new = out[row, width:].tolist()
-            answers[i] = new[:new.index(eos) + 1] if eos in new else new
-    return answers
+            continuations[i] = new[:new.index(eos) + 1] if eos in new else new
+    return continuations
 
 
 def self_distill(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int,
