@@ -146,7 +146,8 @@ class AutoController:
         # just joined, unless auto has settled on off.
         joined_off = (cached is not None and cached.plan.choice == OFF and isinstance(policy, AutoPolicy)
                       and not policy.settled_off and any(i not in cached.known for i in ids))
-        settled = cached is not None and cached.plan.choice == OFF and getattr(policy, "settled_off", False)
+        settled = (cached is not None and cached.plan.choice == OFF and isinstance(policy, AutoPolicy)
+                   and policy.settled_off)
         limit = self.replan_every * (SETTLED_REPLAN if settled else 1)
         if (cached is not None and cached.confirmed and cached.bucket == key and cached.age < limit
                 and not joined_off and (explore or self._measured(policy, cached.plan))):
