@@ -106,12 +106,19 @@ def test_losing_one_replica_of_each(replicated, checkpoints):
     target = checkpoints["llama-gqa"]
     work = jobs(12, 200, seed=1)
 
+    killed = []
+
     def kill_one_of_each():
+        """verifier.1, and a drafter that requests on the surviving verifier use: the pairs are
+        pinned independently, and least-loaded ties can pair the replicas one to one (v0 with d0,
+        v1 with d1), so killing a fixed drafter may leave no survivor without its drafter."""
         replicated.kill("verifier.1")
-        replicated.kill("drafter.1")
+        under_survivor = {d for v, d in pins(replicated).values() if v == replicated.addr["verifier"]}
+        killed.append(next(n for n in ("drafter", "drafter.1") if replicated.addr[n] in under_survivor))
+        replicated.kill(killed[0])
 
     results = run_held(replicated, work, kill_one_of_each)
-    lost_v, lost_d = replicated.addr["verifier.1"], replicated.addr["drafter.1"]
+    lost_v, lost_d = replicated.addr["verifier.1"], replicated.addr[killed[0]]
     pinned = pins(replicated)
     drafter_died_under_survivor = 0
     for (rid, prompt, n, mode, spec), (result, final_mode) in zip(work, results):
