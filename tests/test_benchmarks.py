@@ -111,7 +111,7 @@ def test_controlled_drafter_keeps_each_position_with_probability_a(checkpoints, 
 
 def test_tiny_concurrency_sweep_with_auto(tmp_path):
     """The sweep on tiny models: every mode and auto at each (a, C), auto lossless and turning
-    speculation off at a = 0 and on at a = 1 where it pays, the section with its aims between its own markers."""
+    speculation off at a = 0 and using it at a = 1, the section with its aims between its own markers."""
     from benchmarks import sweep, sweep_report
 
     md = tmp_path / "BENCHMARKS.md"
@@ -127,18 +127,17 @@ def test_tiny_concurrency_sweep_with_auto(tmp_path):
     by_cell = {(r["config"], r["acceptance"], r["concurrency"]): r for r in rows}
     auto = {(a, c): r for (config, a, c), r in by_cell.items() if config == "auto"}
     assert all(r["same_as_off"] == 1.0 for r in auto.values())
-    # a = 1: auto speculates. Not necessarily in every row: each 24-token wave is a few steps, and
-    # on a loaded 2-core CI machine the start-up profile can price a draft step above what it saves
-    # (one CI run: no draft at C = 1 before its wave ended).
+    # a = 1: auto speculates. Not necessarily in every row, and which rows is no test of the policy
+    # (tests/test_auto_policy.py prices choices from given costs): each 24-token wave is a few
+    # steps on a 2-core machine that CI shares with another test file, so its speed is noise. One
+    # loaded run measured auto in off at 735 tok/s against mode off's 212 (the same steps), and a
+    # CI run's auto drafted nothing at C = 3 where chain k=2 measured 1.3x of off.
     assert sum(auto[(1.0, c)]["accepted"] for c in (1, 3)) > 0, auto
     for c in (1, 3):
-        off, on = auto[(0.0, c)], auto[(1.0, c)]
+        off = auto[(0.0, c)]
         # off: a few tries while the drafter is new (up to chain k=8 each), far below chain k=2's two
         # tokens every step: at most one draft token per step on average
         assert off["accepted"] == 0 and off["drafted"] <= off["steps"], off
-        # where speculation measurably paid in this run, auto used it
-        if by_cell[("chain k=2", 1.0, c)]["tok_s"] >= 1.3 * by_cell[("off", None, c)]["tok_s"]:
-            assert on["accept_len"] > 2.0, on
     # the gateway's step split over each measured wave: overlap's pre-drafts ran beside the verify
     for (config, a, c), r in by_cell.items():
         assert r["verify_ms"] > 0, r
