@@ -25,6 +25,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from cluster import free_port, request, stop_all, wait_serving  # noqa: E402
 
+from specdec.cpu_threads import serve_flags  # noqa: E402
 from specdec.rpc import gateway_pb2_grpc  # noqa: E402
 
 START_TIMEOUT = 900.0   # an 8B load, graph capture and first Triton compiles
@@ -53,6 +54,7 @@ class Services:
         self.pair = pair
         self.base = [sys.executable, "-m", "specdec.cli"]
         self.engine_flags = ["--device", device, "--dtype", dtype, *settings.flags()]
+        self.cpu = serve_flags()   # on the CPU, the cores shared as `specdec serve` does
         self.log_dir = log_dir
         self.placement = placement
         self.procs: dict[str, subprocess.Popen] = {}
@@ -73,7 +75,7 @@ class Services:
     def start_verifier(self) -> None:
         tp = ["--tp", str(self.placement.tp)] if self.placement.tp > 1 else []
         self._spawn("verifier", ["verifier", "--model", str(self.pair.target), *self.engine_flags, *tp,
-                                 *self.pair.verifier_flags()], self.placement.verifier_gpus)
+                                 *self.cpu["verifier"], *self.pair.verifier_flags()], self.placement.verifier_gpus)
 
     def add_gateway(self, acceptance: float | None, reference: Path | None = None, seed: int = 0) -> None:
         """A drafter (controlled when `reference` is given) and a gateway over it and the verifier."""
@@ -81,8 +83,8 @@ class Services:
         control = ([] if reference is None else
                    ["--controlled-acceptance", str(reference), "--acceptance", str(acceptance),
                     "--acceptance-seed", str(seed)])
-        drafter = self._spawn(f"drafter-{tag}", ["drafter", *self.pair.drafter_flags(), *self.engine_flags, *control],
-                              self.placement.drafter_gpus)
+        drafter = self._spawn(f"drafter-{tag}", ["drafter", *self.pair.drafter_flags(), *self.engine_flags,
+                                                 *self.cpu["drafter"], *control], self.placement.drafter_gpus)
         metrics = f"127.0.0.1:{free_port()}"
         gateway = self._spawn(f"gateway-{tag}", [
             "gateway", "--target", str(self.pair.target), "--verifier", self.addr["verifier"], "--drafter", drafter,

@@ -120,6 +120,9 @@ def main() -> None:
     p.add_argument("--stop-at-eos", action="store_true",
                    help="end each answer at EOS, as a chat client does (default: exactly --max-new-tokens "
                         "each; past EOS the text is out of any draft head's training, so acceptance drops)")
+    p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="on cpu: torch threads of each engine (0: torch's default, every core; default: the "
+                        "shares `specdec serve` gives its verifier and drafter)")
     p.add_argument("--json-out", default=None)
     a = p.parse_args()
     if a.stop_at_eos and a.hf:
@@ -151,8 +154,9 @@ def main() -> None:
         prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     else:
         prompts = [tok(t)["input_ids"] for t in texts]
+    threads = [] if a.cpu_threads is None else ["--cpu-threads", str(a.cpu_threads)]
     cluster = Cluster(target, draft, device=a.device, dtype=dtype, extra=["--max-sequences", "64"],
-                      drafter_extra=drafter_extra, verifier_extra=verifier_extra).start()
+                      drafter_extra=drafter_extra + threads, verifier_extra=verifier_extra + threads).start()
     rows = []
     try:
         for mode, spec in (CONFIGS[name] for name in a.configs):  # warm-up: allocations, kernel compiles
@@ -175,7 +179,7 @@ def main() -> None:
         cluster.stop()
     hf_rows = hf_baselines(a, target, prompts, dtype) if a.hf else []
     print(f"\ntarget={target.name} draft={a.eagle3_head or draft.name} prompts={a.prompts} device={a.device} dtype={dtype} "
-          f"max_new_tokens={a.max_new_tokens} stop_at_eos={a.stop_at_eos}")
+          f"max_new_tokens={a.max_new_tokens} stop_at_eos={a.stop_at_eos} cpu_threads={a.cpu_threads}")
     print("| C | config | tok/s | TPOT p50 ms | TPOT p99 ms | TTFT p50 ms | accept len | overlap hit | vs off | same tokens as off |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

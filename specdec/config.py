@@ -74,6 +74,7 @@ class EngineServiceConfig:
     drain_seconds: float = 25.0      # on SIGTERM: how long in-flight sequences may take to finish
     tls: TlsConfig = TlsConfig()     # plaintext unless --tls-cert/--tls-key
     prefill_chunk: int = 512         # verifier: prompt tokens prefilled per step over all sequences (0: whole)
+    cpu_threads: int = 0             # on cpu: torch threads over all TP ranks (0: every available core)
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
@@ -94,6 +95,10 @@ class EngineServiceConfig:
                        default=env("CUDA_GRAPHS", "1") not in ("0", "false", "no"),
                        help="capture the repeating step forwards as CUDA graphs at start-up (cuda; every "
                             "verifier rank, a drafter at --tp 1 only; env SPECDEC_CUDA_GRAPHS=0 turns it off)")
+        p.add_argument("--cpu-threads", type=int, default=int(env(f"{key}_CPU_THREADS", env("CPU_THREADS", "0"))),
+                       help=f"on cpu: threads for the engine's tensor work, shared by its --tp ranks (env "
+                            f"SPECDEC_{key}_CPU_THREADS or SPECDEC_CPU_THREADS; default 0: every core this process "
+                            "may use; `specdec serve` gives its verifier and drafter shares of the cores)")
         add_metrics_argument(p, key)
         add_drain_argument(p)
         add_server_tls_arguments(p)
@@ -135,6 +140,8 @@ class EngineServiceConfig:
     def from_args(cls, a: argparse.Namespace, role: str, model_dir: Path) -> EngineServiceConfig:
         if a.tp < 1:
             raise SystemExit("--tp must be at least 1")
+        if a.cpu_threads < 0:
+            raise SystemExit("--cpu-threads must be >= 0 (0: every available core)")
         if getattr(a, "prefill_chunk", 0) < 0:
             raise SystemExit("--prefill-chunk must be >= 0 (0: whole prompts)")
         controlled = None
@@ -149,7 +156,7 @@ class EngineServiceConfig:
                    a.max_draft_tokens, a.tp, a.cuda_graphs, controlled, getattr(a, "batch_invariant", False),
                    parse_layers(getattr(a, "aux_hidden_layers", "")),
                    Path(a.eagle3_head) if getattr(a, "eagle3_head", None) else None, a.cost_profile, a.metrics_listen, a.drain_seconds,
-                   server_tls_from_args(a), getattr(a, "prefill_chunk", 0))
+                   server_tls_from_args(a), getattr(a, "prefill_chunk", 0), a.cpu_threads)
 
 
 def parse_layers(text: str) -> tuple[int, ...]:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from specdec.config import EngineServiceConfig
+from specdec.cpu_threads import engine_executor, rank_threads, use_threads
 from specdec.log import configure_logging
 from specdec.metrics import start_metrics
 from specdec.model.cuda_graphs import DEFAULT_QUERY_LENS
@@ -30,10 +30,14 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
     log.info("loading model", model=str(cfg.model_dir), device=cfg.device, dtype=cfg.dtype, tp=cfg.tp)
     from specdec.tensor_parallel import build_runner
 
+    # torch's thread setting holds per thread: the loading thread and the engine thread both get it.
+    threads = rank_threads(cfg.cpu_threads, cfg.tp) if cfg.device == "cpu" else None
+    if threads:
+        use_threads(threads)
+        log.info("cpu threads", per_rank=threads, ranks=cfg.tp)
     eagle3 = cfg.role == "drafter" and cfg.eagle3_head is not None
     runner = None if eagle3 else build_runner(cfg, log)  # an EAGLE-3 drafter needs only the head
-    # Every engine call (and so every collective) runs on this one thread, shutdown included.
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{cfg.role}-engine")
+    executor = engine_executor(cfg.role, threads)
     info = common_pb2.ServiceInfo(
         role=cfg.role, model_name=cfg.model_dir.name, vocab_size=spec.vocab_size,
         max_sequences=cfg.max_sequences, max_draft_tokens=cfg.max_draft_tokens, device=cfg.device, dtype=cfg.dtype,

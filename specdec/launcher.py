@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from specdec.cpu_threads import serve_flags
+from specdec.env import env
 from specdec.security import server_tls_from_args
 
 
@@ -32,6 +34,10 @@ def serve_all(args, target: Path, draft: Path, eagle3_head: Path | None) -> int:
     base = [sys.executable, "-m", "specdec.cli"]
     device = [*(["--device", args.device] if args.device else []), *(["--dtype", args.dtype] if args.dtype else [])]
     limits = ["--max-sequences", str(args.max_sequences), "--max-context", str(args.max_context)]
+    # On the CPU the verifier and drafter share the cores, unless SPECDEC_CPU_THREADS or
+    # SPECDEC_<ROLE>_CPU_THREADS says otherwise (or there is no drafter).
+    cpu = {role: [] if args.no_drafter or env("CPU_THREADS") or env(f"{role.upper()}_CPU_THREADS") else flags
+           for role, flags in serve_flags().items()}
     verifier_flags = ["--batch-invariant"] if args.batch_invariant else []
     drafter_flags = ["--model", str(draft)]
     if eagle3_head:  # the drafter reads the target's embeddings; the verifier sends the head's layers
@@ -45,11 +51,12 @@ def serve_all(args, target: Path, draft: Path, eagle3_head: Path | None) -> int:
     plain = dict.fromkeys(("SPECDEC_TLS_CERT", "SPECDEC_TLS_KEY", "SPECDEC_TLS_CA"))
     children: list[tuple[str, list[str], dict[str, str | None]]] = [
         ("verifier", [*base, "verifier", "--model", str(target), "--listen", verifier_addr, *device, *limits,
-                      "--tp", str(args.tp), *verifier_flags], {**plain, **gpus(args.verifier_gpus)}),
+                      "--tp", str(args.tp), *verifier_flags, *cpu["verifier"]],
+         {**plain, **gpus(args.verifier_gpus)}),
     ]
     if not args.no_drafter:
-        children.append(("drafter", [*base, "drafter", *drafter_flags, "--listen", drafter_addr, *device, *limits],
-                         {**plain, **gpus(args.drafter_gpus)}))
+        children.append(("drafter", [*base, "drafter", *drafter_flags, "--listen", drafter_addr, *device, *limits,
+                                     *cpu["drafter"]], {**plain, **gpus(args.drafter_gpus)}))
     public = [f"--{flag.replace('_', '-')}={value}" for flag in ("tls_cert", "tls_key", "tls_ca", "auth_tokens_file")
               if (value := getattr(args, flag))]
     children.append(("gateway", [*base, "gateway", "--listen", args.listen, "--verifier", verifier_addr,

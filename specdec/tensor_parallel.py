@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from specdec.config import EngineServiceConfig
+from specdec.cpu_threads import rank_threads, use_threads
 from specdec.log import configure_logging
 from specdec.model.loader import DTYPES, load_model
 from specdec.model.runner import ModelRunner, TPLeader, follow
@@ -38,7 +39,7 @@ def _init(cfg: EngineServiceConfig, rank: int, port: int) -> torch.device:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:  # ranks share the cores: no oversubscription
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.tp))
+        use_threads(rank_threads(cfg.cpu_threads, cfg.tp))
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
         rank=rank, world_size=cfg.tp, timeout=COLLECTIVE_TIMEOUT, device_id=device if device.type == "cuda" else None,

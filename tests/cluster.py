@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.cpu_threads import serve_flags
 from specdec.rpc import common_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2_grpc
 
 START_TIMEOUT = 180.0
@@ -93,16 +94,17 @@ class Cluster:
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         base = [sys.executable, "-m", "specdec.cli"]
         dev = ["--device", device, "--dtype", dtype, *(extra or [])]
+        cpu = serve_flags()   # the cores shared as `specdec serve` does (flags in *_extra come later and win)
         names = {"verifier": [replica_name("verifier", i) for i in range(verifiers)],
                  "drafter": [replica_name("drafter", i) for i in range(drafters if draft else 0)]}
         self.addr = {name: f"127.0.0.1:{free_port()}" for name in ["gateway", *names["verifier"], *names["drafter"]]}
         self.commands = {}
         for name in names["verifier"]:
             self.commands[name] = [*base, "verifier", "--model", str(target), "--listen", self.addr[name], *dev,
-                                   *(verifier_extra or [])]
+                                   *cpu["verifier"], *(verifier_extra or [])]
         for name in names["drafter"]:
             self.commands[name] = [*base, "drafter", "--model", str(draft), "--listen", self.addr[name], *dev,
-                                   *(drafter_extra or [])]
+                                   *cpu["drafter"], *(drafter_extra or [])]
         # The gateway's test-only hold hook (gateway/hold.py): see hold() and release().
         self.hold_dir = Path(tempfile.mkdtemp(prefix="specdec-hold-")) if hold else None
         self.commands["gateway"] = [
