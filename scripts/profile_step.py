@@ -9,6 +9,7 @@ the same run; "of limit" = limit / step time.
 
     python scripts/profile_step.py --model DIR --device cuda --batch 1 16 --k 0 4
     python scripts/profile_step.py            (the embedded SmolLM2 target)
+    python scripts/profile_step.py --device cpu --batch 1 --k 0 2 4 --cpu-threads 1   (as a CPU service runs it)
     python scripts/profile_step.py --model DIR --tp 2 --cuda-graphs   (rank 0's shard: bytes and limit per GPU)
 """
 
@@ -133,7 +134,19 @@ def main() -> None:
     p.add_argument("--batch-invariant", action="store_true", help="the batch-invariant matmuls and attention")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs 0..tp-1, or gloo processes on "
                    "cpu); bytes and the limit are then rank 0's shard: the share of the limit reached per GPU")
+    p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="on cpu: run everything on an engine thread with N torch threads, as a service does "
+                        "(default: the main thread, torch's default threads)")
     a = p.parse_args()
+    if a.cpu_threads:
+        from specdec.cpu_threads import engine_executor
+
+        with engine_executor("profile", a.cpu_threads) as executor:
+            return executor.submit(profile, a, p).result()
+    profile(a, p)
+
+
+def profile(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     if a.tp > 1 and a.no_fuse:
         p.error("--no-fuse applies to one rank only")
     if a.model is None:
@@ -149,6 +162,7 @@ def main() -> None:
     rng = random.Random(0)
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     print(f"model={Path(a.model).name} device={device} dtype={dtype} cuda_graphs={a.cuda_graphs} "
+          f"threads={torch.get_num_threads()} "
           f"fused={engine.runner.model.fused} batch_invariant={a.batch_invariant} tp={engine.runner.model.layout.world}"
           + (f" copy_bandwidth={bandwidth / 1e12:.2f} TB/s" if bandwidth else ""))
     print("| batch | k | step ms p50 | step ms min | forward ms p50 | limit ms | step of limit | forward of limit |")

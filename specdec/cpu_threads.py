@@ -2,10 +2,8 @@
 
 torch's default is one thread per core of the machine, in every process. `specdec serve` runs a
 verifier and a drafter on the same cores, and a container limited to N CPUs still sees all of the
-host's: both then oversubscribe. On the 2-core dev VM one thread also ran SmolLM2's verify forward
-faster than two (56-60 vs 77-79 ms for one token, 63-65 vs 98-100 ms for three: memory-bound, and
-two threads' synchronisation costs more), so each engine gets its share of the cores instead
-(BENCHMARKS.md, "Threads on the CPU").
+host's: both then oversubscribe. So each engine gets its share of the cores instead (BENCHMARKS.md,
+"Threads on the CPU", has what it did and did not change on the 2-core dev VM).
 """
 
 from __future__ import annotations
