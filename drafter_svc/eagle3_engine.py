@@ -22,7 +22,7 @@ from drafter_svc.engine import DRAFT_SLACK, admit, apply_item, split_by_shape
 from drafter_svc.tree_draft import expand, to_trees
 from drafter_svc.types import Draft, DrafterStep, DrafterStepResult, DraftItem, TreeShape
 from specdec.errors import ErrorCode, SequenceError
-from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded, upload_list
+from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded, upload, upload_list
 from specdec.model.eagle3 import Eagle3Head
 from specdec.model.kv_cache import KVCache
 from specdec.sequence_table import SequenceState, SequenceTable
@@ -30,9 +30,11 @@ from specdec.tree import DraftTree
 
 
 class Eagle3DrafterEngine:
-    def __init__(self, head: Eagle3Head, embed_weight: torch.Tensor, max_sequences: int, max_context: int) -> None:
+    def __init__(self, head: Eagle3Head, embed_weight: torch.Tensor, max_sequences: int, max_context: int,
+                 hedge_predrafts: bool = False) -> None:
         spec = head.spec.layer
         self.head = head
+        self.hedge_predrafts = hedge_predrafts   # overlap pre-drafts also cover each earlier rejection
         self.embed = embed_weight                       # [V, h]: the target's token embeddings
         self.device, self.dtype = embed_weight.device, embed_weight.dtype
         self.aux_width = len(head.spec.aux_layers) * head.spec.target_hidden_size
@@ -61,8 +63,8 @@ class Eagle3DrafterEngine:
     def step(self, req: DrafterStep) -> DrafterStepResult:
         result, ready = admit(req, self._apply, self.close)
         if ready:
-            for (s, it), chain in zip(ready, self._draft(ready)):
-                result.drafts.append(Draft(s.seq_id, len(s.tokens), len(it.assumed_ids), chain))
+            for (s, it), (tree, hedges) in zip(ready, self._draft(ready)):
+                result.drafts.append(Draft(s.seq_id, len(s.tokens), len(it.assumed_ids), tree, hedges))
         return result
 
     def _apply(self, item: DraftItem) -> SequenceState | SequenceError:
@@ -90,18 +92,19 @@ class Eagle3DrafterEngine:
         return state
 
     @torch.inference_mode()
-    def _draft(self, ready: list[tuple[SequenceState, DraftItem]]) -> list[DraftTree]:
+    def _draft(self, ready: list[tuple[SequenceState, DraftItem]]) -> list[tuple[DraftTree, dict[int, DraftTree]]]:
+        """-> per item its draft and its hedges (overlap pre-drafts only)."""
         states = [s for s, _ in ready]
         slots = self.table.slots(states, self.device)
         logits, out = self._feed_real_pairs(states, slots)             # [B, Vd], [B, h]
         chains, trees = split_by_shape(ready)
-        drafted: dict[int, DraftTree] = {}
+        drafted: dict[int, tuple[DraftTree, dict[int, DraftTree]]] = {}
         if chains:
             drafted.update(zip(chains, self._chains([ready[i] for i in chains], slots[chains], logits[chains],
                                                     out[chains])))
         for shape, rows in trees.items():
-            drafted.update(zip(rows, self._trees([states[i] for i in rows], slots[rows], logits[rows], out[rows],
-                                                 shape)))
+            drafted.update(zip(rows, ((t, {}) for t in self._trees([states[i] for i in rows], slots[rows],
+                                                                   logits[rows], out[rows], shape))))
         return [drafted[i] for i in range(len(ready))]
 
     def _feed_real_pairs(self, states: list[SequenceState], slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +132,7 @@ class Eagle3DrafterEngine:
         last = torch.arange(len(states), device=self.device), lengths - 1
         return logits[last], out[last]
 
-    def _chains(self, ready, slots, logits, out) -> list[DraftTree]:
+    def _chains(self, ready, slots, logits, out) -> list[tuple[DraftTree, dict[int, DraftTree]]]:
         """Assumed tokens (overlap), then the chain: each position fed the head's own previous output."""
         assumed = [it.assumed_ids for _, it in ready]
         ks = [it.shape.k for _, it in ready]
@@ -138,13 +141,41 @@ class Eagle3DrafterEngine:
         for i, a in enumerate(assumed):
             forced[i, : len(a)] = torch.tensor(a, dtype=torch.long)
         forced = forced.to(self.device)
-        write = upload_list([len(s.tokens) - 1 for s, _ in ready], self.device)  # next head position
+        written = [len(s.tokens) - 1 for s, _ in ready]
+        write = upload_list(written, self.device)  # next head position
         drafted = None if self.graphs is None else self.graphs.chain(logits, out, forced, write, slots)
         if drafted is None:
             drafted = greedy_chain(self.head, self.embed, self.cache, logits, out, forced, write, slots, self.slot_len)
         tok_rows, lp_rows = drafted[0].tolist(), drafted[1].tolist()
-        return [DraftTree.chain(row[len(a):len(a) + k], lp[len(a):len(a) + k])
-                for row, lp, a, k in zip(tok_rows, lp_rows, assumed, ks)]
+        chains = [DraftTree.chain(row[len(a):len(a) + k], lp[len(a):len(a) + k])
+                  for row, lp, a, k in zip(tok_rows, lp_rows, assumed, ks)]
+        hedges: list[dict[int, DraftTree]] = [{} for _ in ready]
+        if self.hedge_predrafts:
+            # Branches: (item, assumed tokens kept) for greedy pre-drafts whose branches fit in the slot.
+            branches = [(i, j) for i, (_, it) in enumerate(ready)
+                        if it.assumed_ids and it.sampling.greedy and ks[i] > 1
+                        and written[i] + steps + len(it.assumed_ids) * ks[i] <= self.slot_len
+                        for j in range(len(it.assumed_ids))]
+            if branches:
+                self._hedges(branches, hedges, ks, written, steps, slots, drafted[2:])
+        return list(zip(chains, hedges))
+
+    def _hedges(self, branches, hedges, ks, written, steps, slots, alternatives) -> None:
+        """One chain per (item i, kept j): the guessed correction alt[i, j], then ks[i] - 1 drafted
+        tokens, all branches batched. Branch j of item i stores its KV past the main chain (from
+        written + steps + j * k), so every branch sees the context and the j assumed tokens it keeps."""
+        alt, alt_logp, fed_out = alternatives                     # [B, S], [B, S], [B, S, h]
+        i_idx = torch.tensor([i for i, _ in branches])
+        j_idx = torch.tensor([j for _, j in branches])
+        k = max(ks[i] for i, _ in branches)
+        rope0 = [written[i] + j for i, j in branches]             # where the correction would sit
+        base = [written[i] + steps + j * ks[i] for i, j in branches]
+        ii, jj = i_idx.to(self.device), j_idx.to(self.device)
+        toks, logps = hedge_chains(self.head, self.embed, self.cache, alt[ii, jj], fed_out[ii, jj],
+                                   rope0, base, slots[ii], k - 1, self.slot_len)
+        first, first_lp = alt[ii, jj].tolist(), alt_logp[ii, jj].tolist()
+        for n, ((i, j), row, lp) in enumerate(zip(branches, toks.tolist(), logps.tolist())):
+            hedges[i][j] = DraftTree.chain([first[n]] + row[: ks[i] - 1], [first_lp[n]] + lp[: ks[i] - 1])
 
     def _trees(self, states, slots, root_logits, root_out, shape: TreeShape) -> list[DraftTree]:
         ctx_len = upload_list([len(s.tokens) - 1 for s in states], self.device)   # head KV of real pairs
@@ -157,24 +188,62 @@ class Eagle3DrafterEngine:
 
 def greedy_chain(head: Eagle3Head, embed: torch.Tensor, cache: KVCache, logits: torch.Tensor, out: torch.Tensor,
                  forced: torch.Tensor, write: torch.Tensor, slots: torch.Tensor,
-                 slot_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 slot_len: int) -> tuple[torch.Tensor, ...]:
     """logits [B, Vd] and hidden out [B, h] after the last committed token; forced [B, S] (-1: draft)
-    -> target ids and draft log-probabilities [B, S]. Tensor work only (CUDA graphs capture it)."""
+    -> target ids and draft log-probabilities [B, S]; for hedges, per position the head's best
+    token other than the forced one (target ids) and its log-probability [B, S], and the hidden
+    output each position was drafted from [B, S, h]. Tensor work only (CUDA graphs capture it)."""
     b, steps = forced.shape
     region = torch.ones(b, 1, 1, dtype=torch.bool, device=logits.device)
-    picked, logps = [], []
+    picked, logps, alts, alt_logps, fed_out = [], [], [], [], []
     for t in range(steps):
         logp = torch.log_softmax(logits, -1)
         best = logp.argmax(-1)
         target = torch.where(forced[:, t] >= 0, forced[:, t], head.to_target_ids(best))
         picked.append(target)
         logps.append(logp.gather(1, best[:, None])[:, 0])
+        top_logp, top = logp.topk(2, -1)                                     # [B, 2]
+        top = head.to_target_ids(top)
+        other = (top[:, 0] == forced[:, t]).long()                           # the forced token is the best
+        alts.append(top.gather(1, other[:, None])[:, 0])
+        alt_logps.append(top_logp.gather(1, other[:, None])[:, 0])
+        fed_out.append(out)
         if t == steps - 1:
             break
         p = (write + t).clamp(max=slot_len - 1)[:, None]
         batch = ForwardBatch(target[:, None], p, slots, p, p[:, 0], region, slot_len)
         logits, out = head(batch, cache, embed[target[:, None]], out[:, None], from_target=False)
         logits, out = logits[:, 0], out[:, 0]
+    return (torch.stack(picked, 1), torch.stack(logps, 1), torch.stack(alts, 1), torch.stack(alt_logps, 1),
+            torch.stack(fed_out, 1))
+
+
+def hedge_chains(head: Eagle3Head, embed: torch.Tensor, cache: KVCache, first: torch.Tensor, out: torch.Tensor,
+                 rope0: list[int], base: list[int], slots: torch.Tensor, steps: int,
+                 slot_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Side branches in the sequences' own KV slots: row r feeds first[r] [R] with the hidden output
+    out[r] [R, h] at RoPE position rope0[r], seeing the slot's KV below rope0[r]; its nodes are
+    stored from base[r] on (past everything else written this step) and see each other causally;
+    then `steps` greedy tokens -> target ids and log-probabilities [R, steps]."""
+    dev = first.device
+    r = first.shape[0]
+    gap = [b - p for b, p in zip(base, rope0)]                  # region offset of each branch's first node
+    region = torch.zeros(r, 1, max(gap) + steps, dtype=torch.bool)
+    rope, write = upload_list(rope0, dev), upload_list(base, dev)
+    gap_t = torch.tensor(gap)
+    tok, picked, logps = first, [], []
+    for m in range(steps):
+        region[torch.arange(r), 0, gap_t + m] = True            # the branch's nodes so far, this one included
+        p = (rope + m)[:, None]
+        batch = ForwardBatch(tok[:, None], p, slots, (write + m).clamp(max=slot_len - 1)[:, None], rope,
+                             upload(region.clone(), dev), slot_len)
+        logits, out = head(batch, cache, embed[tok[:, None]], out[:, None], from_target=False)
+        logits, out = logits[:, 0], out[:, 0]
+        logp = torch.log_softmax(logits, -1)
+        best = logp.argmax(-1)
+        tok = head.to_target_ids(best)
+        picked.append(tok)
+        logps.append(logp.gather(1, best[:, None])[:, 0])
     return torch.stack(picked, 1), torch.stack(logps, 1)
 
 
@@ -200,12 +269,13 @@ def head_tree(head: Eagle3Head, embed: torch.Tensor, cache: KVCache, root_logits
 
 
 def build_eagle3_drafter(target_dir, head_dir, dtype: torch.dtype, device: torch.device, max_sequences: int,
-                         max_context: int) -> Eagle3DrafterEngine:
+                         max_context: int, hedge_predrafts: bool = False) -> Eagle3DrafterEngine:
     """The head from head_dir (published layout) and the target's embeddings from target_dir."""
     from specdec.model.eagle3 import load_eagle3
     from specdec.model.loader import load_embeddings
     from specdec.model.spec import ModelSpec
 
     head = load_eagle3(head_dir, ModelSpec.from_pretrained(target_dir), dtype, device)
-    return Eagle3DrafterEngine(head, load_embeddings(target_dir, dtype, device), max_sequences, max_context)
+    return Eagle3DrafterEngine(head, load_embeddings(target_dir, dtype, device), max_sequences, max_context,
+                               hedge_predrafts)
 

@@ -73,7 +73,8 @@ class Eagle3Graphs:
         return tuple(out[:b] for out in c.outputs)
 
     def chain(self, logits, hidden, forced, write, slots):
-        """-> (target ids, logps) [B, S] as greedy_chain, or None when no graph fits (run eagerly)."""
+        """-> greedy_chain's outputs (target ids, logps, the hedges' alternatives), or None when no graph
+        fits (run eagerly)."""
         return self._replay(forced.shape[1], logits, hidden, write, slots, forced)
 
     def tree(self, logits, hidden, ctx_len, slots, shape: TreeShape):

@@ -28,7 +28,9 @@ class DrafterServicer(StepStreamServicer, drafter_pb2_grpc.DrafterServicer):
             step=res.step,
             drafts=[
                 drafter_pb2.Draft(seq_id=d.seq_id, committed_len=d.committed_len, assumed_len=d.assumed_len,
-                                  tree=tree_to_proto(d.tree))
+                                  tree=tree_to_proto(d.tree),
+                                  hedges=[drafter_pb2.Hedge(accepted=j, chain=tree_to_proto(c))
+                                          for j, c in sorted(d.hedges.items())])
                 for d in res.drafts
             ],
             errors=[error_to_proto(e) for e in res.errors],

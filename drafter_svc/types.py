@@ -69,6 +69,8 @@ class Draft:
     committed_len: int
     assumed_len: int
     tree: DraftTree
+    # overlap pre-drafts (--hedge-predrafts): assumed tokens kept -> [guessed correction, chain...]
+    hedges: dict[int, DraftTree] = field(default_factory=dict)
 
 
 @dataclass

@@ -76,6 +76,23 @@ class Event:
 
 
 @dataclass
+class PreDraft:
+    """Chain overlap's pre-draft, made while the draft is verified: `tree` assumes the whole draft
+    passes (its first token guesses the bonus token); `hedges`, from a drafter that hedges, assume
+    that only the first j draft tokens pass (first token: the guessed correction)."""
+    tree: DraftTree
+    hedges: dict[int, DraftTree] = field(default_factory=dict)
+
+    def next_draft(self, accepted_drafts: int, drafted: int, last: int) -> DraftTree | None:
+        """The next step's draft if the verdict (accepted_drafts of drafted tokens, then `last`, the
+        bonus or correction token) is one the pre-draft foresaw, else None."""
+        guess = self.tree if accepted_drafts == drafted else self.hedges.get(accepted_drafts)
+        if guess is None or len(guess) < 2 or guess.token_ids[0] != last:
+            return None
+        return guess.suffix(1)
+
+
+@dataclass
 class ActiveRequest:
     req: GenerationRequest
     seq_id: str
@@ -99,7 +116,7 @@ class ActiveRequest:
     choice: str = ""                            # auto: the name of this step's choice
     draft_family: str = ""                      # acceptance family of `draft` ("chain" or a tree shape)
     draft: DraftTree | None = None              # ready for the next verify, made from len(tokens)
-    predraft: DraftTree | None = None           # chain overlap: made assuming the in-flight draft passes
+    predraft: PreDraft | None = None            # chain overlap: made while the draft is verified
     # EAGLE-3: the verifier's hidden-state rows (TensorPayload) of committed tokens not yet sent to
     # the drafter -- they travel with the next item's append_ids.
     hidden_rows: list = field(default_factory=list)

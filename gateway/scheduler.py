@@ -4,7 +4,9 @@ Each step: admit waiting requests (the verifier prefills them), get drafts for s
 have none (synchronously, from each request's pinned drafter replica), then send one batched
 verify step; in chain mode with overlap the drafters pre-draft step t+1 at the same time,
 assuming the draft under verification passes. A pre-draft is used only if the verdict accepted
-the whole draft and the bonus token equals the pre-draft's first token; otherwise it is dropped.
+the whole draft and the bonus token equals the pre-draft's first token, or, from a drafter that
+hedges, if one of its hedges foresaw the verdict's accepted count and correction token; otherwise
+it is dropped.
 Losing a drafter turns its requests into plain decoding (same tokens, lossless); losing the
 verifier fails this scheduler's requests with UNAVAILABLE. Requests in `--mode auto` get their
 shape for each step from gateway/auto/ (which learns from the verdicts and the step's time), and
@@ -26,7 +28,7 @@ from gateway.auto.controller import AutoController, draft_family
 from gateway.backends import BackendLost, StepStream
 from gateway.dialer import BackendDialer
 from gateway.hold import NO_HOLD, POLL_SECONDS, HoldGate
-from gateway.request import ActiveRequest, Event, Mode
+from gateway.request import ActiveRequest, Event, Mode, PreDraft
 from specdec.draft_tree import DraftTree
 from specdec.errors import ErrorCode
 from specdec.rpc import common_pb2, drafter_pb2, verifier_pb2
@@ -220,7 +222,7 @@ class Scheduler:
             if r is None or r.mode == Mode.OFF or d.committed_len != len(r.tokens):
                 continue  # stale: the request moved on or ended meanwhile
             if predraft:
-                r.predraft = tree_from_proto(d.tree)
+                r.predraft = PreDraft(tree_from_proto(d.tree), {h.accepted: tree_from_proto(h.chain) for h in d.hedges})
             else:
                 r.draft = tree_from_proto(d.tree)
                 r.draft_family = draft_family(r.settings, r.mode)
@@ -272,7 +274,6 @@ class Scheduler:
         s.drafted += drafted
         s.accepted += accepted_drafts
         s.committed_by_steps += len(accepted)
-        full = r.draft is not None and accepted_drafts == drafted
         depth = r.draft.shape()[0] if r.draft else 0
         if depth:
             self.tally.verdict(depth, accepted_drafts, len(accepted))
@@ -282,8 +283,9 @@ class Scheduler:
             self.auto.observe_verdict(r, depth, accepted_drafts)
         r.draft = None
         if r.predraft is not None:
-            if full and len(r.predraft) > 1 and r.predraft.token_ids[0] == accepted[-1]:
-                r.draft = r.predraft.suffix(1)
+            foreseen = r.predraft.next_draft(accepted_drafts, drafted, accepted[-1]) if drafted else None
+            if foreseen is not None:
+                r.draft = foreseen
                 r.draft_family = "chain"
                 s.overlap_hits += 1
                 self.tally.hits += 1

@@ -123,6 +123,9 @@ def main() -> None:
     p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="on cpu: torch threads of each engine (0: torch's default, every core; default: the "
                         "shares `specdec serve` gives its verifier and drafter)")
+    p.add_argument("--hedge-predrafts", action="store_true",
+                   help="start the (EAGLE-3) drafter with --hedge-predrafts: overlap pre-drafts also for each "
+                        "earlier rejection")
     p.add_argument("--json-out", default=None)
     a = p.parse_args()
     if a.stop_at_eos and a.hf:
@@ -156,7 +159,8 @@ def main() -> None:
         prompts = [tok(t)["input_ids"] for t in texts]
     threads = [] if a.cpu_threads is None else ["--cpu-threads", str(a.cpu_threads)]
     cluster = Cluster(target, draft, device=a.device, dtype=dtype, extra=["--max-sequences", "64"],
-                      drafter_extra=drafter_extra + threads, verifier_extra=verifier_extra + threads).start()
+                      drafter_extra=drafter_extra + threads + (["--hedge-predrafts"] if a.hedge_predrafts else []),
+                      verifier_extra=verifier_extra + threads).start()
     rows = []
     try:
         for mode, spec in (CONFIGS[name] for name in a.configs):  # warm-up: allocations, kernel compiles
@@ -179,7 +183,8 @@ def main() -> None:
         cluster.stop()
     hf_rows = hf_baselines(a, target, prompts, dtype) if a.hf else []
     print(f"\ntarget={target.name} draft={a.eagle3_head or draft.name} prompts={a.prompts} device={a.device} dtype={dtype} "
-          f"max_new_tokens={a.max_new_tokens} stop_at_eos={a.stop_at_eos} cpu_threads={a.cpu_threads}")
+          f"max_new_tokens={a.max_new_tokens} stop_at_eos={a.stop_at_eos} cpu_threads={a.cpu_threads} "
+          f"hedge_predrafts={a.hedge_predrafts}")
     print("| C | config | tok/s | TPOT p50 ms | TPOT p99 ms | TTFT p50 ms | accept len | overlap hit | vs off | same tokens as off |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

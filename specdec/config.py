@@ -75,6 +75,7 @@ class EngineServiceConfig:
     tls: TlsConfig = TlsConfig()     # plaintext unless --tls-cert/--tls-key
     prefill_chunk: int = 512         # verifier: prompt tokens prefilled per step over all sequences (0: whole)
     cpu_threads: int = 0             # on cpu: torch threads over all TP ranks (0: every available core)
+    hedge_predrafts: bool = False    # drafter (EAGLE-3): overlap pre-drafts also for each earlier rejection
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
@@ -126,6 +127,13 @@ class EngineServiceConfig:
                            help="draft with this EAGLE-3 head (the published checkpoint layout) instead of a draft "
                                 "model; --model is then the TARGET checkpoint (for its embeddings), and the verifier "
                                 "must run with --aux-hidden-layers set to the head's layers (env SPECDEC_EAGLE3_HEAD)")
+            p.add_argument("--hedge-predrafts", action=argparse.BooleanOptionalAction,
+                           default=env("HEDGE_PREDRAFTS", "0") not in ("0", "false", "no"),
+                           help="EAGLE-3 head: an overlap pre-draft of a greedy chain also drafts, for each draft "
+                                "position, after the head's best other token there (its guess of the verifier's "
+                                "correction), so a step after a rejection finds its draft ready too; costs draft "
+                                "work beside each verify: for a drafter on an accelerator of its own "
+                                "(env SPECDEC_HEDGE_PREDRAFTS=1)")
             g = p.add_argument_group("controlled acceptance (benchmarks only)")
             g.add_argument("--controlled-acceptance", metavar="FILE", default=env("CONTROLLED_ACCEPTANCE"),
                            help="reference file (prompt ids -> the target's mode-off output ids, written by "
@@ -156,7 +164,8 @@ class EngineServiceConfig:
                    a.max_draft_tokens, a.tp, a.cuda_graphs, controlled, getattr(a, "batch_invariant", False),
                    parse_layers(getattr(a, "aux_hidden_layers", "")),
                    Path(a.eagle3_head) if getattr(a, "eagle3_head", None) else None, a.cost_profile, a.metrics_listen, a.drain_seconds,
-                   server_tls_from_args(a), getattr(a, "prefill_chunk", 0), a.cpu_threads)
+                   server_tls_from_args(a), getattr(a, "prefill_chunk", 0), a.cpu_threads,
+                   getattr(a, "hedge_predrafts", False))
 
 
 def parse_layers(text: str) -> tuple[int, ...]:

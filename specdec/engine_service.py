@@ -68,8 +68,9 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
             from drafter_svc.eagle3_engine import build_eagle3_drafter
 
             engine = build_eagle3_drafter(cfg.model_dir, cfg.eagle3_head, DTYPES[cfg.dtype], torch.device(cfg.device),
-                                          cfg.max_sequences, cfg.max_context)
-            log.info("EAGLE-3 head", head=str(cfg.eagle3_head), aux_layers=list(engine.head.spec.aux_layers))
+                                          cfg.max_sequences, cfg.max_context, cfg.hedge_predrafts)
+            log.info("EAGLE-3 head", head=str(cfg.eagle3_head), aux_layers=list(engine.head.spec.aux_layers),
+                     hedge_predrafts=cfg.hedge_predrafts)
             info.aux_hidden_layers.extend(engine.head.spec.aux_layers)
         elif cfg.controlled is None:
             engine = DrafterEngine(runner, cfg.max_sequences, cfg.max_context)
@@ -80,6 +81,8 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
                         acceptance=cfg.controlled.acceptance, seed=cfg.controlled.seed,
                         references=len(cfg.controlled.references))
             engine = ControlledAcceptanceDrafter(runner, cfg.max_sequences, cfg.max_context, cfg.controlled)
+        if cfg.hedge_predrafts and not eagle3:
+            log.warning("--hedge-predrafts: only an EAGLE-3 head hedges; this draft model pre-drafts one branch")
         info.max_context = engine.max_context
         servicer = DrafterServicer(engine, info, log, executor)
         register = lambda server: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)  # noqa: E731

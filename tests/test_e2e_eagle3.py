@@ -36,6 +36,23 @@ def test_eagle3_chains_are_lossless(checkpoints, head, start_cluster):
         assert final.stats.mode == "tree" and final.stats.drafted > 0, final.stats
 
 
+def test_eagle3_hedged_pre_drafts_are_lossless(checkpoints, head, start_cluster):
+    """--hedge-predrafts: every overlap pre-draft also carries a hedge per draft position (the
+    drafter's engine test checks what they hold); the gateway takes one only for the verdict it
+    foresaw, so greedy chains stay HF's, and a sampled request (no hedges) still runs."""
+    target = checkpoints["llama-gqa"]
+    cluster = start_cluster(target, target, verifier_extra=["--aux-hidden-layers", "1,2,3"],
+                            drafter_extra=["--eagle3-head", str(head), "--hedge-predrafts"])
+    for prompt in PROMPTS:
+        ids, final = cluster.generate(prompt, 24, "chain", k=4)
+        assert ids == hf_greedy(target, prompt, 24), prompt
+        s = final.stats
+        assert s.mode == "chain" and s.overlap_hits + s.overlap_misses > 0, s
+    ids, final = cluster.generate(PROMPTS[0], 16, "chain", sampling={"temperature": 0.8, "seed": 3}, k=3)
+    assert len(ids) == 16 and final.stats.drafted > 0
+    assert "hedge_predrafts=True" in (cluster.log_dir / "drafter.log").read_text()
+
+
 def test_eagle3_with_a_tensor_parallel_verifier(checkpoints, head, start_cluster):
     """TP 2 (gloo): rank 0 captures the states of its full residual stream; the other rank runs
     the same collectives without them."""

@@ -191,3 +191,58 @@ def check_graphed_equals_eager(target, head_dir, device: str, dtype=torch.float6
 def test_replayed_draft_loops_equal_eager_ones(checkpoints, tmp_path):
     target, head_dir = setup(checkpoints, tmp_path)
     check_graphed_equals_eager(target, head_dir, "cpu")
+
+
+def test_hedges_are_the_pre_drafts_after_each_guessed_correction(checkpoints, tmp_path):
+    """--hedge-predrafts: an overlap pre-draft (assumed a, chain of k) also returns, for each j < len(a),
+    a chain that starts with the head's best token other than a[j] after a[:j] (its guess of the
+    verifier's correction) and continues exactly as a pre-draft assuming a[:j] + [that token]. Two
+    sequences of different assumed lengths and k in one batch; the main pre-draft is unchanged;
+    sampled requests and a drafter without the flag get no hedges."""
+    from specdec.sampling import SamplingParams
+
+    target, head_dir = setup(checkpoints, tmp_path)
+    contexts = {"s": [3, 14, 15, 92, 65, 35], "t": [7, 1, 8, 2, 8]}
+    states = {sid: target_states(target, engine(target, head_dir).head.spec.aux_layers, c) for sid, c in contexts.items()}
+
+    def items(assumed: dict[str, list[int]], ks: dict[str, int], sampling=None):
+        extra = {} if sampling is None else {"sampling": sampling}
+        return [DraftItem(sid, len(contexts[sid]), contexts[sid], assumed[sid], ChainShape(ks[sid]),
+                          hidden=states[sid], **extra) for sid in assumed]
+
+    def fresh(sid: str, assumed: list[int], k: int):
+        return engine(target, head_dir).step(DrafterStep(1, items({sid: assumed}, {sid: k}))).drafts[0]
+
+    # assumed tokens: the head's own chain (so a[j] is its best and the hedge takes its second best),
+    # with one position replaced (so there the hedge takes its best)
+    own = {sid: fresh(sid, [], 4).tree.token_ids for sid in contexts}
+    assumed = {"s": own["s"][:2] + [own["s"][2] + 1 if own["s"][2] < 300 else 0], "t": own["t"][:2]}
+    ks = {"s": 4, "t": 3}
+    hedging = Eagle3DrafterEngine(load_eagle3(head_dir, target.spec, torch.float64, torch.device("cpu")),
+                                  target.model.embed_tokens.weight, max_sequences=3, max_context=128,
+                                  hedge_predrafts=True)
+    res = hedging.step(DrafterStep(1, items(assumed, ks)))
+    assert not res.errors, res.errors
+    saw_best = saw_second = False
+    for d in res.drafts:
+        a, k = assumed[d.seq_id], ks[d.seq_id]
+        assert d.tree.token_ids == fresh(d.seq_id, a, k).tree.token_ids   # the main pre-draft
+        assert sorted(d.hedges) == list(range(len(a)))
+        for j, hedge in d.hedges.items():
+            guess = hedge.token_ids[0]
+            assert len(hedge) == k and guess != a[j]
+            best = fresh(d.seq_id, a[:j], 1).tree.token_ids[0]
+            if best != a[j]:
+                assert guess == best
+                saw_best = True
+            else:
+                saw_second = True
+            after = fresh(d.seq_id, a[:j] + [guess], k - 1).tree
+            assert hedge.token_ids[1:] == after.token_ids, (d.seq_id, j)
+            assert max(abs(x - y) for x, y in zip(hedge.logprobs[1:], after.logprobs)) < 1e-9, (d.seq_id, j)
+    assert saw_best and saw_second
+    contexts["u"] = [4, 4, 2, 9]
+    states["u"] = target_states(target, hedging.head.spec.aux_layers, contexts["u"])
+    res = hedging.step(DrafterStep(3, items({"u": [5, 6]}, {"u": 3}, SamplingParams(temperature=0.7, seed=1))))
+    assert not res.errors and res.drafts[0].hedges == {}
+    assert all(not d.hedges for d in engine(target, head_dir).step(DrafterStep(1, items(assumed, ks))).drafts)

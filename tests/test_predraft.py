@@ -1,0 +1,31 @@
+"""Which pre-draft the gateway takes after a verdict (gateway/request.py PreDraft): the main one
+only after a whole draft passed and its first token is the bonus; a hedge only for the number of
+draft tokens the verdict kept and only when its first token is the verifier's correction."""
+
+from __future__ import annotations
+
+from gateway.request import PreDraft
+from specdec.draft_tree import DraftTree
+
+
+def chain(tokens: list[int]) -> DraftTree:
+    return DraftTree.chain(tokens, [0.0] * len(tokens))
+
+
+def test_the_main_pre_draft_needs_the_whole_draft_and_the_bonus():
+    pre = PreDraft(chain([7, 8, 9]))
+    assert pre.next_draft(3, 3, 7).token_ids == [8, 9]
+    assert pre.next_draft(3, 3, 6) is None           # bonus guessed wrong
+    assert pre.next_draft(2, 3, 7) is None           # a rejection, and no hedges
+    assert PreDraft(chain([7])).next_draft(3, 3, 7) is None   # nothing after the guess
+
+
+def test_a_hedge_is_taken_for_its_kept_count_and_correction_only():
+    pre = PreDraft(chain([7, 8, 9]), {0: chain([20, 21, 22]), 1: chain([30, 31, 32]), 2: chain([40])})
+    assert pre.next_draft(0, 3, 20).token_ids == [21, 22]
+    assert pre.next_draft(1, 3, 30).token_ids == [31, 32]
+    assert pre.next_draft(1, 3, 20) is None          # hedge 0's guess, but the verdict kept one token
+    assert pre.next_draft(0, 3, 21) is None          # correction guessed wrong
+    assert pre.next_draft(2, 3, 40) is None          # a guess with no chain after it
+    assert pre.next_draft(3, 3, 7).token_ids == [8, 9]
+    assert pre.next_draft(3, 3, 20) is None          # whole draft passed: hedges do not apply
