@@ -284,6 +284,8 @@ class Scheduler:
         r.draft = None
         if r.predraft is not None:
             foreseen = r.predraft.next_draft(accepted_drafts, drafted, accepted[-1]) if drafted else None
+            if self.auto is not None and drafted:
+                self.auto.observe_predraft(drafted, foreseen is not None)
             if foreseen is not None:
                 r.draft = foreseen
                 r.draft_family = "chain"

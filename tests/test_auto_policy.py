@@ -357,3 +357,23 @@ def test_one_slow_step_does_not_rule_a_kind_out_for_good():
             observe(p, "r0", plan.choice.family, 0.9, 1, rng, plan.choice.positions)
     assert p.current.mode == Mode.CHAIN, ran[-20:]
     assert sum(name.startswith("chain") for name in ran[-50:]) >= 45
+
+
+def test_overlap_is_priced_with_the_measured_pre_draft_hits_once_known():
+    """Whole-draft acceptance is the pre-draft hit rate only until hits are measured: a hedging
+    drafter's pre-drafts hit far more often (its hedges cover rejections), a plain one's less (it
+    must also guess the bonus). The sync draft after misses is priced with the measured rate."""
+    p = AutoPolicy(profile(memory_bound, cheap_draft), AcceptanceBook(), menu(profile(memory_bound, cheap_draft), 64, True))
+    c = next(c for c in p.choices if c.overlap and c.k == 4)
+    full = np.array([0.5 ** 4])
+    verify, predraft, draft = memory_bound(1, 5), cheap_draft(1, 9), cheap_draft(1, 4)
+    assert p._seconds(c, 1, 1, c.width, full) == pytest.approx(max(verify, predraft) + (1 - full[0]) * draft)
+    for i in range(19):                       # too few to trust
+        p.book.predraft_hits.observe(4, i % 10 != 0)
+    assert p._seconds(c, 1, 1, c.width, full) == pytest.approx(max(verify, predraft) + (1 - full[0]) * draft)
+    for i in range(200):
+        p.book.predraft_hits.observe(4, i % 10 != 0)          # 90% of pre-drafts used
+        p.book.predraft_hits.observe(2, False)                # another k: its own count
+    rate = p.book.predraft_hits.rate(4)
+    assert rate == pytest.approx(0.9, abs=0.02) and p.book.predraft_hits.rate(2) == 0.0
+    assert p._seconds(c, 1, 1, c.width, full) == pytest.approx(max(verify, predraft) + (1 - rate) * draft)

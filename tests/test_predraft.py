@@ -1,8 +1,11 @@
 """Which pre-draft the gateway takes after a verdict (gateway/request.py PreDraft): the main one
 only after a whole draft passed and its first token is the bonus; a hedge only for the number of
-draft tokens the verdict kept and only when its first token is the verifier's correction."""
+draft tokens the verdict kept and only when its first token is the verifier's correction. The
+scheduler makes the foreseen one the next draft and tells auto whether each pre-draft hit."""
 
 from __future__ import annotations
+
+import pytest
 
 from gateway.request import PreDraft
 from specdec.draft_tree import DraftTree
@@ -29,3 +32,25 @@ def test_a_hedge_is_taken_for_its_kept_count_and_correction_only():
     assert pre.next_draft(2, 3, 40) is None          # a guess with no chain after it
     assert pre.next_draft(3, 3, 7).token_ids == [8, 9]
     assert pre.next_draft(3, 3, 20) is None          # whole draft passed: hedges do not apply
+
+
+def test_the_scheduler_takes_a_foreseen_hedge_and_tells_auto_whether_pre_drafts_hit():
+    from types import SimpleNamespace
+
+    from test_auto_parking import controller, request
+
+    from gateway.scheduler import Scheduler
+
+    auto = controller(hidden_states=False)
+    sched = Scheduler(SimpleNamespace(address="v:1"), 4, set(), auto=auto)
+    r = request(0)
+    for _ in range(25):   # a draft of 3 tokens; the verdict keeps 1, then the correction 30
+        r.draft = chain([5, 6, 7])
+        r.predraft = PreDraft(chain([8, 9, 10]), {1: chain([30, 31, 32])})
+        sched._count_step(r, [5, 30], 1)
+        assert r.draft.token_ids == [31, 32] and r.predraft is None
+    r.draft, r.predraft = chain([5, 6, 7]), PreDraft(chain([8, 9, 10]))
+    sched._count_step(r, [5, 30], 1)                       # no hedge: a miss, no draft ready
+    assert r.draft is None and (r.stats.overlap_hits, r.stats.overlap_misses) == (25, 1)
+    hits = sum(0.99 ** i for i in range(1, 26))            # decayed by the miss that came after them
+    assert auto.book.predraft_hits.rate(3) == pytest.approx(hits / (hits + 1))

@@ -124,8 +124,28 @@ class RequestTable:
             self.free.append(row)
 
 
+class PreDraftHits:
+    """The measured share of overlap pre-drafts that a verdict could use, per draft length k (decayed
+    counts). Whole-draft acceptance alone misjudges it: a pre-draft must also have guessed the bonus
+    token (fewer hits), and a hedging drafter's pre-drafts also cover rejections (more hits)."""
+
+    def __init__(self, decay: float = 0.99, min_observations: float = 20.0) -> None:
+        self.decay, self.min_observations = decay, min_observations
+        self.counts: dict[int, list[float]] = {}    # k -> [hits, pre-drafts]
+
+    def observe(self, k: int, hit: bool) -> None:
+        c = self.counts.setdefault(k, [0.0, 0.0])
+        c[0] = c[0] * self.decay + hit
+        c[1] = c[1] * self.decay + 1.0
+
+    def rate(self, k: int) -> float | None:
+        """The hit rate for pre-drafts after a draft of k, or None until enough were seen."""
+        c = self.counts.get(k)
+        return c[0] / c[1] if c is not None and c[1] >= self.min_observations else None
+
+
 class AcceptanceBook:
-    """One drafter replica's estimates and its requests' estimates, per family."""
+    """One drafter replica's estimates and its requests' estimates, per family, and its pre-drafts' hits."""
 
     def __init__(self, drafter_decay: float = 0.998, request_decay: float = 0.99, prior_weight: float = 10.0,
                  optimism: float = 2.0, pool_weight: float = 4.0, ucb: float = 1.0) -> None:
@@ -134,6 +154,7 @@ class AcceptanceBook:
         self.prior_weight, self.optimism = prior_weight, optimism
         self.drafter: dict[str, Rates] = {}
         self.requests: dict[str, RequestTable] = {}   # by family
+        self.predraft_hits = PreDraftHits()
 
     def observe(self, seq_id: str, family: str, depth: int, accepted: int) -> None:
         self.observe_many([seq_id], family, np.array([depth]), np.array([accepted]))

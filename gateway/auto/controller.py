@@ -188,6 +188,10 @@ class AutoController:
             r.draft = None   # made for another shape (an overlap pre-draft, or last step's choice)
 
     # ---- after the step ----------------------------------------------------------------------
+    def observe_predraft(self, k: int, hit: bool) -> None:
+        """An overlap pre-draft made during the verify of a draft of k was used (hit) or dropped."""
+        self.book.predraft_hits.observe(k, hit)
+
     def observe_verdict(self, r: ActiveRequest, drafted_depth: int, accepted: int) -> None:
         """Recorded now, counted at the next plan (or forget): a step's verdicts update the
         acceptance book in one batch per family."""

@@ -11,8 +11,9 @@ request that speculates this step, and per request whether it speculates at all.
               both then run on the same processor)
 
 E_r(c) = 1 + sum_j prod_{i<=j} p_r[i] from the request's running acceptance per position
-(gateway/auto/acceptance.py), at most the tokens the request has left; h the probability that a
-whole chain is accepted (only then is an overlap pre-draft usable); and the costs are the services'
+(gateway/auto/acceptance.py), at most the tokens the request has left; h the probability that an
+overlap pre-draft is usable: the measured share of pre-drafts used after drafts of k once known
+(a hedging drafter's hedges count), until then that of a whole chain accepted; and the costs are the services'
 start-up profiles (gateway/auto/costs.py) times a calibration: measured / modelled step time per
 choice and batch bucket, which carries what the profiles cannot see (gRPC and Python on three hops,
 contention on a shared GPU). A request speculates only while its expected gain pays for its share of
@@ -280,9 +281,12 @@ class AutoPolicy:
         if c.mode == Mode.CHAIN and c.overlap:
             predraft = self.costs.draft(drafting, predraft_shape(c.k))
             # Requests whose pre-draft missed need a draft before the next verify: one draft step
-            # (for the expected number of misses) whenever any of them missed.
-            misses = float((1.0 - full_accept).sum())
-            p_any_miss = 1.0 - float(np.prod(full_accept))
+            # (for the expected number of misses) whenever any of them missed. A pre-draft hits with
+            # the measured rate once known, else when the whole draft passes.
+            measured = self.book.predraft_hits.rate(c.k)
+            hit = full_accept if measured is None else np.full(len(full_accept), measured)
+            misses = float((1.0 - hit).sum())
+            p_any_miss = 1.0 - float(np.prod(hit))
             sync = p_any_miss * self.costs.draft(max(1, round(misses)), c.draft_shape)
             beside = verify + predraft if self.costs.shared_accelerator else max(verify, predraft)
             return beside + sync
