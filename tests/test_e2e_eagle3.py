@@ -8,6 +8,7 @@ speculation really ran, in chain mode (overlap on and off) and tree mode. A veri
 from __future__ import annotations
 
 import pytest
+import torch
 from model_factory import hf_greedy
 from test_eagle3_head import write_head
 
@@ -36,12 +37,16 @@ def test_eagle3_chains_are_lossless(checkpoints, head, start_cluster):
         assert final.stats.mode == "tree" and final.stats.drafted > 0, final.stats
 
 
-def test_eagle3_hedged_pre_drafts_are_lossless(checkpoints, head, start_cluster):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_eagle3_hedged_pre_drafts_are_lossless(checkpoints, head, start_cluster, device):
     """--hedge-predrafts: every overlap pre-draft also carries a hedge per draft position (the
     drafter's engine test checks what they hold); the gateway takes one only for the verdict it
-    foresaw, so greedy chains stay HF's, and a sampled request (no hedges) still runs."""
+    foresaw, so greedy chains stay HF's, and a sampled request (no hedges) still runs. On CUDA the
+    hedges run the Triton attention under their masks, beside the head's graph replays."""
     target = checkpoints["llama-gqa"]
-    cluster = start_cluster(target, target, verifier_extra=["--aux-hidden-layers", "1,2,3"],
+    cluster = start_cluster(target, target, device=device, dtype="float64" if device == "cpu" else "float32",
+                            verifier_extra=["--aux-hidden-layers", "1,2,3"],
                             drafter_extra=["--eagle3-head", str(head), "--hedge-predrafts"])
     for prompt in PROMPTS:
         ids, final = cluster.generate(prompt, 24, "chain", k=4)

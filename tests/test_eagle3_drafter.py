@@ -160,15 +160,18 @@ def graphed(eng: Eagle3DrafterEngine, device: str) -> Eagle3DrafterEngine:
 
 def check_graphed_equals_eager(target, head_dir, device: str, dtype=torch.float64, tol=1e-9) -> None:
     """Three sequences (a padded bucket of 4), chains with and without assumed tokens and trees:
-    the replayed loops draft the eager engine's tokens."""
+    the replayed loops draft the eager engine's tokens, and hedges drafted from the replayed chains'
+    alternatives equal those from eager ones."""
     def make():
         head = load_eagle3(head_dir, target.spec, dtype, torch.device(device))
-        return Eagle3DrafterEngine(head, target.model.embed_tokens.weight.to(device, dtype), 3, 128)
+        return Eagle3DrafterEngine(head, target.model.embed_tokens.weight.to(device, dtype), 3, 128,
+                                   hedge_predrafts=True)
 
     eager, fast = make(), graphed(make(), device)
     contexts = {"a": [3, 14, 15, 92, 65], "b": [35, 89, 79, 32, 38, 46, 26], "c": [43, 38]}
     sent = dict.fromkeys(contexts, 0)
     rng = random.Random(7)
+    hedged = 0
     for step in range(1, 7):
         tree = step % 3 == 0
         items = []
@@ -184,8 +187,14 @@ def check_graphed_equals_eager(target, head_dir, device: str, dtype=torch.float6
         for w, g in zip(want.drafts, got.drafts):
             assert (w.tree.token_ids, w.tree.parents) == (g.tree.token_ids, g.tree.parents), (step, w.seq_id)
             assert max(abs(a - b) for a, b in zip(w.tree.logprobs, g.tree.logprobs)) < tol
+            assert w.hedges.keys() == g.hedges.keys()
+            for j, h in w.hedges.items():
+                assert h.token_ids == g.hedges[j].token_ids, (step, w.seq_id, j)
+                assert max(abs(a - b) for a, b in zip(h.logprobs, g.hedges[j].logprobs)) < tol
+            hedged += len(w.hedges)
         for sid, d in zip(contexts, want.drafts):
             contexts[sid] += d.tree.token_ids[:1] + [rng.randrange(380)]
+    assert hedged > 0
 
 
 def test_replayed_draft_loops_equal_eager_ones(checkpoints, tmp_path):
