@@ -43,7 +43,9 @@ class Eagle3DrafterEngine:
         self.cache = KVCache(1, max_sequences + 1, self.slot_len, spec.num_kv_heads, spec.head_dim, self.dtype,
                              self.device)
         self.table = SequenceTable(max_sequences, spec.vocab_size, self.max_context)
-        self.rows: dict[str, torch.Tensor] = {}  # seq id -> target states [m, aux] of positions fed - 1 ..
+        # seq id -> target states [m, aux] of positions fed - 1 .., on the host: a step uploads all
+        # sequences' rows in one copy (not one synchronous copy per sequence)
+        self.rows: dict[str, torch.Tensor] = {}
         self.fed: dict[str, int] = {}            # seq id -> head positions holding real pairs (q < fed)
         self.graphs = None   # Eagle3Graphs once captured
 
@@ -86,9 +88,9 @@ class Eagle3DrafterEngine:
             return state
         if opening:
             self.fed[state.seq_id] = 0
-            self.rows[state.seq_id] = torch.empty(0, self.aux_width, dtype=self.dtype, device=self.device)
+            self.rows[state.seq_id] = torch.empty(0, self.aux_width, dtype=self.dtype)
         if got:
-            self.rows[state.seq_id] = torch.cat([self.rows[state.seq_id], rows.to(self.device, self.dtype)])
+            self.rows[state.seq_id] = torch.cat([self.rows[state.seq_id], rows.to("cpu", self.dtype)])
         return state
 
     @torch.inference_mode()
@@ -121,9 +123,10 @@ class Eagle3DrafterEngine:
             self.rows[s.seq_id] = pending[-1:]  # keep the last: the next step may need its output again
         tokens, lengths = ragged_to_padded(feeds, 0, self.device)
         n = tokens.shape[1]
-        hidden = torch.zeros(len(states), n, self.aux_width, dtype=self.dtype, device=self.device)
+        hidden = torch.zeros(len(states), n, self.aux_width, dtype=self.dtype)    # host copies, one upload
         for i, r in enumerate(rows):
             hidden[i, : r.shape[0]] = r
+        hidden = upload(hidden, self.device)
         start = upload_list(starts, self.device)
         pos = (start[:, None] + torch.arange(n, device=self.device)).clamp(max=self.slot_len - 1)
         batch = ForwardBatch.build(tokens, pos, slots, pos, start, causal_region(lengths, n),
