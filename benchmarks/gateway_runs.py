@@ -50,8 +50,9 @@ class Placement:
 
 class Services:
     def __init__(self, pair: ModelPair, device: str, dtype: str, settings: EngineSettings, log_dir: Path,
-                 placement: Placement = Placement()) -> None:
+                 placement: Placement = Placement(), drafter_extra: tuple[str, ...] = ()) -> None:
         self.pair = pair
+        self.drafter_extra = list(drafter_extra)   # e.g. --hedge-predrafts
         self.base = [sys.executable, "-m", "specdec.cli"]
         self.engine_flags = ["--device", device, "--dtype", dtype, *settings.flags()]
         self.cpu = serve_flags()   # on the CPU, the cores shared as `specdec serve` does
@@ -84,7 +85,8 @@ class Services:
                    ["--controlled-acceptance", str(reference), "--acceptance", str(acceptance),
                     "--acceptance-seed", str(seed)])
         drafter = self._spawn(f"drafter-{tag}", ["drafter", *self.pair.drafter_flags(), *self.engine_flags,
-                                                 *self.cpu["drafter"], *control], self.placement.drafter_gpus)
+                                                 *self.cpu["drafter"], *self.drafter_extra, *control],
+                              self.placement.drafter_gpus)
         metrics = f"127.0.0.1:{free_port()}"
         gateway = self._spawn(f"gateway-{tag}", [
             "gateway", "--target", str(self.pair.target), "--verifier", self.addr["verifier"], "--drafter", drafter,

@@ -68,6 +68,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-report", action="store_true", help="leave --report alone (the section is still in --out-dir)")
     p.add_argument("--ckpt-dir", type=Path, default=None, help="as benchmarks.run")
     p.add_argument("--keep-checkpoints", action="store_true")
+    p.add_argument("--hedge-predrafts", action="store_true",
+                   help="start the drafters with --hedge-predrafts (an EAGLE-3 head's overlap pre-drafts also "
+                        "cover each draft position's likeliest rejection)")
     p.add_argument("--work-dir", type=Path, default=None, help="service logs and the reference file")
     return p.parse_args(argv)
 
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> Path:
     smol_cells = _ordered(_cells([None], a.concurrency, a.modes)) if "smollm2" in a.parts else ()
     dtype, work, meta = start_run(a, "benchmarks.sweep", argv)
     meta["placement"] = placement(a).describe()
+    meta["hedge_predrafts"] = a.hedge_predrafts
     meta["waves"], meta["requests_per_client"] = a.waves, a.requests_per_client
     state = SuiteState(a.out_dir, meta, tqdm(total=len(random_cells) + len(smol_cells), desc="sweep rows",
                                              file=sys.stderr))
@@ -103,6 +107,10 @@ def placement(a):
     return Placement(a.drafter_gpus, a.verifier_gpus, a.tp)
 
 
+def drafter_extra(a) -> tuple[str, ...]:
+    return ("--hedge-predrafts",) if a.hedge_predrafts else ()
+
+
 def _random_part(a, cells, dtype: str, work: Path, state: SuiteState) -> None:
     from benchmarks.gateway_runs import Services
     from benchmarks.inprocess import load_engines, run_inprocess
@@ -121,7 +129,7 @@ def _random_part(a, cells, dtype: str, work: Path, state: SuiteState) -> None:
         state.meta.update(pair=pair.name, prompts=f"{len(prompts)} random token-id prompts of {lengths[0]}-"
                           f"{lengths[1]} tokens (seed {a.seed})", engine_settings=settings.__dict__)
         with ExitStack() as stack:
-            services = Services(pair, a.device, dtype, settings, work, placement(a))
+            services = Services(pair, a.device, dtype, settings, work, placement(a), drafter_extra(a))
             stack.callback(services.stop)
             with state.phase("reference pass"):   # the target's own continuations, for the controlled drafters
                 engines = load_engines(pair, a.device, dtype, settings)
@@ -159,7 +167,7 @@ def _smollm2_part(a, cells, work: Path, state: SuiteState) -> None:
     settings = EngineSettings(max_sequences=most, cuda_graphs=a.device == "cuda", max_context=1024)
     (work / "smollm2").mkdir(exist_ok=True)
     services = Services(pair, a.device, "bfloat16" if a.device == "cuda" else "float32", settings, work / "smollm2",
-                        placement(a))
+                        placement(a), drafter_extra(a))
     try:
         with state.phase("smollm2 services start"):
             services.start_verifier()

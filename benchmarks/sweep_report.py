@@ -94,8 +94,10 @@ def _figure(pair: str, a: float | None, rows: list[RunResult], meta: dict, path:
 
 
 def _placement(meta: dict) -> str:
-    """Where the engines ran (runs before the sweep recorded it shared one GPU)."""
-    return meta.get("placement", "drafter and verifier share it")
+    """Where the engines ran (runs before the sweep recorded it shared one GPU), and whether the
+    drafters hedged their pre-drafts."""
+    return meta.get("placement", "drafter and verifier share it") + (
+        ", hedged pre-drafts" if meta.get("hedge_predrafts") else "")
 
 
 def _name(pair: str, a: float | None) -> str:
