@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from specdec.draft_tree import DraftTree
 from specdec.sampling_params import SamplingParams
@@ -79,17 +81,20 @@ class Event:
 class PreDraft:
     """Chain overlap's pre-draft, made while the draft is verified: `tree` assumes the whole draft
     passes (its first token guesses the bonus token); `hedges`, from a drafter that hedges, assume
-    that only the first j draft tokens pass (first token: the guessed correction)."""
+    that only the first j draft tokens pass (first token: the guessed correction). Hedges stay as
+    received (anything with `token_ids`, e.g. protobuf) until one is used: `convert` makes that one a
+    DraftTree, so a step does not convert the k hedges of every request to use at most one."""
     tree: DraftTree
-    hedges: dict[int, DraftTree] = field(default_factory=dict)
+    hedges: dict[int, Any] = field(default_factory=dict)
+    convert: Callable[[Any], DraftTree] = lambda tree: tree
 
     def next_draft(self, accepted_drafts: int, drafted: int, last: int) -> DraftTree | None:
         """The next step's draft if the verdict (accepted_drafts of drafted tokens, then `last`, the
         bonus or correction token) is one the pre-draft foresaw, else None."""
         guess = self.tree if accepted_drafts == drafted else self.hedges.get(accepted_drafts)
-        if guess is None or len(guess) < 2 or guess.token_ids[0] != last:
+        if guess is None or len(guess.token_ids) < 2 or guess.token_ids[0] != last:
             return None
-        return guess.suffix(1)
+        return (guess if guess is self.tree else self.convert(guess)).suffix(1)
 
 
 @dataclass

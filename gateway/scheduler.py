@@ -222,7 +222,7 @@ class Scheduler:
             if r is None or r.mode == Mode.OFF or d.committed_len != len(r.tokens):
                 continue  # stale: the request moved on or ended meanwhile
             if predraft:
-                r.predraft = PreDraft(tree_from_proto(d.tree), {h.accepted: tree_from_proto(h.chain) for h in d.hedges})
+                r.predraft = PreDraft(tree_from_proto(d.tree), {h.accepted: h.chain for h in d.hedges}, tree_from_proto)
             else:
                 r.draft = tree_from_proto(d.tree)
                 r.draft_family = draft_family(r.settings, r.mode)

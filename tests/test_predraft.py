@@ -34,6 +34,22 @@ def test_a_hedge_is_taken_for_its_kept_count_and_correction_only():
     assert pre.next_draft(3, 3, 20) is None          # whole draft passed: hedges do not apply
 
 
+def test_hedges_received_as_protobuf_are_converted_only_when_used():
+    from specdec.rpc.convert import tree_from_proto, tree_to_proto
+
+    converted = []
+
+    def convert(msg):
+        converted.append(list(msg.token_ids))
+        return tree_from_proto(msg)
+
+    hedges = {j: tree_to_proto(chain([20 + j, 30 + j, 40 + j])) for j in range(3)}
+    assert PreDraft(chain([7, 8]), hedges, convert).next_draft(1, 3, 99) is None
+    assert converted == []                                  # guess wrong: nothing converted
+    assert PreDraft(chain([7, 8]), hedges, convert).next_draft(1, 3, 21).token_ids == [31, 41]
+    assert converted == [[21, 31, 41]]
+
+
 def test_the_scheduler_takes_a_foreseen_hedge_and_tells_auto_whether_pre_drafts_hit():
     from types import SimpleNamespace
 
