@@ -173,9 +173,11 @@ class Eagle3DrafterEngine:
         k = max(ks[i] for i, _ in branches)
         rope0 = [written[i] + j for i, j in branches]             # where the correction would sit
         base = [written[i] + steps + j * ks[i] for i, j in branches]
+        width = max(b - r for b, r in zip(base, rope0)) + k - 1
         ii, jj = i_idx.to(self.device), j_idx.to(self.device)
         toks, logps = hedge_chains(self.head, self.embed, self.cache, alt[ii, jj], fed_out[ii, jj],
-                                   rope0, base, slots[ii], k - 1, self.slot_len)
+                                   upload_list(rope0, self.device), upload_list(base, self.device), width,
+                                   slots[ii], k - 1, self.slot_len)
         first, first_lp = alt[ii, jj].tolist(), alt_logp[ii, jj].tolist()
         for n, ((i, j), row, lp) in enumerate(zip(branches, toks.tolist(), logps.tolist())):
             hedges[i][j] = DraftTree.chain([first[n]] + row[: ks[i] - 1], [first_lp[n]] + lp[: ks[i] - 1])
@@ -222,24 +224,21 @@ def greedy_chain(head: Eagle3Head, embed: torch.Tensor, cache: KVCache, logits: 
 
 
 def hedge_chains(head: Eagle3Head, embed: torch.Tensor, cache: KVCache, first: torch.Tensor, out: torch.Tensor,
-                 rope0: list[int], base: list[int], slots: torch.Tensor, steps: int,
+                 rope0: torch.Tensor, base: torch.Tensor, width: int, slots: torch.Tensor, steps: int,
                  slot_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Side branches in the sequences' own KV slots: row r feeds first[r] [R] with the hidden output
-    out[r] [R, h] at RoPE position rope0[r], seeing the slot's KV below rope0[r]; its nodes are
-    stored from base[r] on (past everything else written this step) and see each other causally;
-    then `steps` greedy tokens -> target ids and log-probabilities [R, steps]."""
-    dev = first.device
-    r = first.shape[0]
-    gap = [b - p for b, p in zip(base, rope0)]                  # region offset of each branch's first node
-    region = torch.zeros(r, 1, max(gap) + steps, dtype=torch.bool)
-    rope, write = upload_list(rope0, dev), upload_list(base, dev)
-    gap_t = torch.tensor(gap)
+    out[r] [R, h] at RoPE position rope0[r] [R], seeing the slot's KV below rope0[r]; its nodes are
+    stored from base[r] [R] on (past everything else written this step) and see each other causally;
+    then `steps` greedy tokens -> target ids and log-probabilities [R, steps]. width: the region of
+    KV positions from rope0 on that the masks span (at least base - rope0 + steps). Tensor work only."""
+    gap = (base - rope0)[:, None]                                  # [R, 1] offset of each branch's first node
+    offsets = torch.arange(width, device=first.device)[None]       # [1, width]
     tok, picked, logps = first, [], []
     for m in range(steps):
-        region[torch.arange(r), 0, gap_t + m] = True            # the branch's nodes so far, this one included
-        p = (rope + m)[:, None]
-        batch = ForwardBatch(tok[:, None], p, slots, (write + m).clamp(max=slot_len - 1)[:, None], rope,
-                             upload(region.clone(), dev), slot_len)
+        region = ((offsets >= gap) & (offsets <= gap + m))[:, None]  # [R, 1, width]: the branch's nodes so far
+        p = (rope0 + m)[:, None]
+        batch = ForwardBatch(tok[:, None], p, slots, (base + m).clamp(max=slot_len - 1)[:, None], rope0, region,
+                             slot_len)
         logits, out = head(batch, cache, embed[tok[:, None]], out[:, None], from_target=False)
         logits, out = logits[:, 0], out[:, 0]
         logp = torch.log_softmax(logits, -1)
