@@ -175,9 +175,11 @@ class Eagle3DrafterEngine:
         base = [written[i] + steps + j * ks[i] for i, j in branches]
         width = max(b - r for b, r in zip(base, rope0)) + k - 1
         ii, jj = i_idx.to(self.device), j_idx.to(self.device)
-        toks, logps = hedge_chains(self.head, self.embed, self.cache, alt[ii, jj], fed_out[ii, jj],
-                                   upload_list(rope0, self.device), upload_list(base, self.device), width,
-                                   slots[ii], k - 1, self.slot_len)
+        inputs = (alt[ii, jj], fed_out[ii, jj], upload_list(rope0, self.device), upload_list(base, self.device))
+        drafted = None if self.graphs is None else self.graphs.hedges(*inputs, width, slots[ii], k - 1)
+        if drafted is None:
+            drafted = hedge_chains(self.head, self.embed, self.cache, *inputs, width, slots[ii], k - 1, self.slot_len)
+        toks, logps = drafted
         first, first_lp = alt[ii, jj].tolist(), alt_logp[ii, jj].tolist()
         for n, ((i, j), row, lp) in enumerate(zip(branches, toks.tolist(), logps.tolist())):
             hedges[i][j] = DraftTree.chain([first[n]] + row[: ks[i] - 1], [first_lp[n]] + lp[: ks[i] - 1])

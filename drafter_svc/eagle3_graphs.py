@@ -4,7 +4,9 @@ Like drafter_svc/draft_graphs.py for draft models, with the head's extra static 
 hidden output after the last committed token (each drafted position feeds the head's own
 output) and, for chains, overlap's forced (assumed) tokens. A graph is captured per (batch
 bucket, chain steps) and per (batch bucket, tree shape); padding rows draft into the scratch
-slot. The real pairs before the loop (their count varies) run eagerly.
+slot. The real pairs before the loop (their count varies) run eagerly. A drafter that hedges
+(--hedge-predrafts) also captures the hedge loop per (row bucket, steps), its masks spanning a
+fixed HEDGE_WIDTH positions (wider hedges run eagerly).
 """
 
 from __future__ import annotations
@@ -12,12 +14,17 @@ from __future__ import annotations
 import torch
 
 from drafter_svc.draft_graphs import DEFAULT_TREE_SHAPES, capture_loops
-from drafter_svc.eagle3_engine import Eagle3DrafterEngine, greedy_chain, head_tree
+from drafter_svc.eagle3_engine import Eagle3DrafterEngine, greedy_chain, head_tree, hedge_chains
 from drafter_svc.types import TreeShape
 from specdec.model.cuda_graphs import batch_buckets
 
 # Chain steps = assumed tokens + k: chains of up to 6 drafts, after up to 7 assumed ones.
 DEFAULT_CHAIN_STEPS = tuple(range(1, 14))
+# Hedges: drafts of k <= 4 after their guesses, up to 4 hedges a sequence (pre-drafts after chains
+# of k <= 4); their masks span 128 positions (a chain of k = 4 needs 25).
+HEDGE_STEPS = (1, 2, 3, 4)
+HEDGES_PER_SEQUENCE = 4
+HEDGE_WIDTH = 128
 
 
 class _Captured:
@@ -35,6 +42,19 @@ class _Captured:
         self.outputs: tuple[torch.Tensor, ...] = ()
 
 
+class _CapturedHedges:
+    def __init__(self, steps: int, r: int, engine: Eagle3DrafterEngine) -> None:
+        dev = engine.device
+        self.key = steps
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.first = torch.zeros(r, dtype=torch.long, device=dev)
+        self.hidden = torch.zeros(r, engine.head.spec.layer.hidden_size, dtype=engine.dtype, device=dev)
+        self.rope0 = torch.zeros(r, dtype=torch.long, device=dev)
+        self.base = torch.zeros(r, dtype=torch.long, device=dev)
+        self.slots = torch.full((r,), engine.cache.num_slots - 1, dtype=torch.long, device=dev)
+        self.outputs: tuple[torch.Tensor, ...] = ()
+
+
 class Eagle3Graphs:
     def __init__(self, engine: Eagle3DrafterEngine, max_batch: int, chain_steps=DEFAULT_CHAIN_STEPS,
                  tree_shapes=DEFAULT_TREE_SHAPES) -> None:
@@ -43,10 +63,21 @@ class Eagle3Graphs:
         self.keys = tuple(sorted(chain_steps)) + tuple(tree_shapes)
         self.scratch_slot = engine.cache.num_slots - 1
         self.captured: dict[tuple[int, object], _Captured] = {}
+        self.hedge_sizes = batch_buckets(HEDGES_PER_SEQUENCE * max_batch)
+        self.hedges_captured: dict[tuple[int, int], _CapturedHedges] = {}
 
     def capture(self, log=None) -> None:
         self.captured = capture_loops(self.batch_sizes, self.keys, lambda b, key: _Captured(key, b, self.engine),
                                       self._body, self.scratch_slot, self.engine.device, log)
+        if self.engine.hedge_predrafts:
+            self.hedges_captured = capture_loops(self.hedge_sizes, HEDGE_STEPS,
+                                                 lambda r, steps: _CapturedHedges(steps, r, self.engine),
+                                                 self._hedge_body, self.scratch_slot, self.engine.device, log)
+
+    def _hedge_body(self, c: _CapturedHedges) -> None:
+        e = self.engine
+        c.outputs = hedge_chains(e.head, e.embed, e.cache, c.first, c.hidden, c.rope0, c.base, HEDGE_WIDTH, c.slots,
+                                 c.key, e.slot_len)
 
     def _body(self, c: _Captured) -> None:
         e = self.engine
@@ -76,6 +107,20 @@ class Eagle3Graphs:
         """-> greedy_chain's outputs (target ids, logps, the hedges' alternatives), or None when no graph
         fits (run eagerly)."""
         return self._replay(forced.shape[1], logits, hidden, write, slots, forced)
+
+    def hedges(self, first, hidden, rope0, base, width: int, slots, steps: int):
+        """-> hedge_chains' outputs [R, steps], or None when no graph fits (run eagerly). Padding rows
+        draft into the scratch slot."""
+        r = first.shape[0]
+        rb = next((x for x in self.hedge_sizes if x >= r), None)
+        c = self.hedges_captured.get((rb, steps))
+        if c is None or width > HEDGE_WIDTH:
+            return None
+        c.first[:r], c.hidden[:r], c.rope0[:r], c.base[:r], c.slots[:r] = first, hidden, rope0, base, slots
+        c.first[r:], c.rope0[r:], c.base[r:] = 0, 0, 0
+        c.slots[r:] = self.scratch_slot
+        c.graph.replay()
+        return tuple(out[:r] for out in c.outputs)
 
     def tree(self, logits, hidden, ctx_len, slots, shape: TreeShape):
         """-> (target ids, parents, logps) [B, budget] as head_tree, or None."""

@@ -137,24 +137,29 @@ def test_trees_follow_the_head_node_by_node(checkpoints, tmp_path):
 class _EagerReplay:
     """Stands in for a captured CUDA graph on the CPU: replay runs the captured body on the statics."""
 
-    def __init__(self, graphs, c) -> None:
-        self.graphs, self.c = graphs, c
+    def __init__(self, body, c) -> None:
+        self.body, self.c = body, c
 
     def replay(self) -> None:
-        self.graphs._body(self.c)
+        self.body(self.c)
 
 
 def graphed(eng: Eagle3DrafterEngine, device: str) -> Eagle3DrafterEngine:
-    from drafter_svc.eagle3_graphs import Eagle3Graphs, _Captured
+    from drafter_svc.eagle3_graphs import HEDGE_STEPS, Eagle3Graphs, _Captured, _CapturedHedges
 
     if device == "cuda":
         eng.capture_cuda_graphs()
+        assert eng.graphs.hedges_captured or not eng.hedge_predrafts
         return eng
     eng.graphs = g = Eagle3Graphs(eng, 3, chain_steps=(2, 4, 5, 6), tree_shapes=(TreeShape(2, 3, 5),))
     for b in g.batch_sizes:
         for key in g.keys:
             c = g.captured[(b, key)] = _Captured(key, b, eng)
-            c.graph = _EagerReplay(g, c)
+            c.graph = _EagerReplay(g._body, c)
+    for r in g.hedge_sizes:
+        for steps in HEDGE_STEPS:
+            c = g.hedges_captured[(r, steps)] = _CapturedHedges(steps, r, eng)
+            c.graph = _EagerReplay(g._hedge_body, c)
     return eng
 
 
