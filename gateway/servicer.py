@@ -53,7 +53,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return samples
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        status = "CANCELLED"   # unless it ends otherwise: the client went away or its deadline passed
+        status: str | None = "CANCELLED"   # unless it ends otherwise: the client went away or its deadline passed
         try:
             # aclosing: a cancelled call closes the inner generator at once, so its finally frees
             # the request's sequences everywhere now, not whenever it is collected.
@@ -62,10 +62,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     yield msg
             status = "OK"
         except AbortedRequest as exc:
-            status = exc.status
+            # Counted before the abort: the client has the status as soon as abort sends it.
+            metrics.REQUESTS.labels(exc.status).inc()
+            status = None
             await context.abort(getattr(grpc.StatusCode, exc.status), exc.message)
         finally:
-            metrics.REQUESTS.labels(status).inc()
+            if status is not None:
+                metrics.REQUESTS.labels(status).inc()
 
     async def _generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         if self.router is None:
