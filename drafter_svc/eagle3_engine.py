@@ -148,7 +148,8 @@ class Eagle3DrafterEngine:
         write = upload_list(written, self.device)  # next head position
         drafted = None if self.graphs is None else self.graphs.chain(logits, out, forced, write, slots)
         if drafted is None:
-            drafted = greedy_chain(self.head, self.embed, self.cache, logits, out, forced, write, slots, self.slot_len)
+            drafted = greedy_chain(self.head, self.embed, self.cache, logits, out, forced, write, slots, self.slot_len,
+                                   alternatives=self.hedge_predrafts)
         tok_rows, lp_rows = drafted[0].tolist(), drafted[1].tolist()
         chains = [DraftTree.chain(row[len(a):len(a) + k], lp[len(a):len(a) + k])
                   for row, lp, a, k in zip(tok_rows, lp_rows, assumed, ks)]
@@ -168,19 +169,19 @@ class Eagle3DrafterEngine:
         tokens, all branches batched. Branch j of item i stores its KV past the main chain (from
         written + steps + j * k), so every branch sees the context and the j assumed tokens it keeps."""
         alt, alt_logp, fed_out = alternatives                     # [B, S], [B, S], [B, S, h]
-        i_idx = torch.tensor([i for i, _ in branches])
-        j_idx = torch.tensor([j for _, j in branches])
+        ii = upload_list([i for i, _ in branches], self.device)
+        jj = upload_list([j for _, j in branches], self.device)
         k = max(ks[i] for i, _ in branches)
         rope0 = [written[i] + j for i, j in branches]             # where the correction would sit
         base = [written[i] + steps + j * ks[i] for i, j in branches]
         width = max(b - r for b, r in zip(base, rope0)) + k - 1
-        ii, jj = i_idx.to(self.device), j_idx.to(self.device)
-        inputs = (alt[ii, jj], fed_out[ii, jj], upload_list(rope0, self.device), upload_list(base, self.device))
+        guesses = alt[ii, jj]
+        inputs = (guesses, fed_out[ii, jj], upload_list(rope0, self.device), upload_list(base, self.device))
         drafted = None if self.graphs is None else self.graphs.hedges(*inputs, width, slots[ii], k - 1)
         if drafted is None:
             drafted = hedge_chains(self.head, self.embed, self.cache, *inputs, width, slots[ii], k - 1, self.slot_len)
         toks, logps = drafted
-        first, first_lp = alt[ii, jj].tolist(), alt_logp[ii, jj].tolist()
+        first, first_lp = guesses.tolist(), alt_logp[ii, jj].tolist()
         for n, ((i, j), row, lp) in enumerate(zip(branches, toks.tolist(), logps.tolist())):
             hedges[i][j] = DraftTree.chain([first[n]] + row[: ks[i] - 1], [first_lp[n]] + lp[: ks[i] - 1])
 
@@ -195,11 +196,12 @@ class Eagle3DrafterEngine:
 
 def greedy_chain(head: Eagle3Head, embed: torch.Tensor, cache: KVCache, logits: torch.Tensor, out: torch.Tensor,
                  forced: torch.Tensor, write: torch.Tensor, slots: torch.Tensor,
-                 slot_len: int) -> tuple[torch.Tensor, ...]:
+                 slot_len: int, alternatives: bool = False) -> tuple[torch.Tensor, ...]:
     """logits [B, Vd] and hidden out [B, h] after the last committed token; forced [B, S] (-1: draft)
-    -> target ids and draft log-probabilities [B, S]; for hedges, per position the head's best
-    token other than the forced one (target ids) and its log-probability [B, S], and the hidden
-    output each position was drafted from [B, S, h]. Tensor work only (CUDA graphs capture it)."""
+    -> target ids and draft log-probabilities [B, S]; with `alternatives` (for hedges) also, per
+    position, the head's best token other than the forced one (target ids) and its log-probability
+    [B, S], and the hidden output each position was drafted from [B, S, h]. Tensor work only (CUDA
+    graphs capture it)."""
     b, steps = forced.shape
     region = torch.ones(b, 1, 1, dtype=torch.bool, device=logits.device)
     picked, logps, alts, alt_logps, fed_out = [], [], [], [], []
@@ -209,20 +211,23 @@ def greedy_chain(head: Eagle3Head, embed: torch.Tensor, cache: KVCache, logits: 
         target = torch.where(forced[:, t] >= 0, forced[:, t], head.to_target_ids(best))
         picked.append(target)
         logps.append(logp.gather(1, best[:, None])[:, 0])
-        top_logp, top = logp.topk(2, -1)                                     # [B, 2]
-        top = head.to_target_ids(top)
-        other = (top[:, 0] == forced[:, t]).long()                           # the forced token is the best
-        alts.append(top.gather(1, other[:, None])[:, 0])
-        alt_logps.append(top_logp.gather(1, other[:, None])[:, 0])
-        fed_out.append(out)
+        if alternatives:
+            top_logp, top = logp.topk(2, -1)                                 # [B, 2]
+            top = head.to_target_ids(top)
+            other = (top[:, 0] == forced[:, t]).long()                       # the forced token is the best
+            alts.append(top.gather(1, other[:, None])[:, 0])
+            alt_logps.append(top_logp.gather(1, other[:, None])[:, 0])
+            fed_out.append(out)
         if t == steps - 1:
             break
         p = (write + t).clamp(max=slot_len - 1)[:, None]
         batch = ForwardBatch(target[:, None], p, slots, p, p[:, 0], region, slot_len)
         logits, out = head(batch, cache, embed[target[:, None]], out[:, None], from_target=False)
         logits, out = logits[:, 0], out[:, 0]
-    return (torch.stack(picked, 1), torch.stack(logps, 1), torch.stack(alts, 1), torch.stack(alt_logps, 1),
-            torch.stack(fed_out, 1))
+    chain = torch.stack(picked, 1), torch.stack(logps, 1)
+    if not alternatives:
+        return chain
+    return *chain, torch.stack(alts, 1), torch.stack(alt_logps, 1), torch.stack(fed_out, 1)
 
 
 def hedge_chains(head: Eagle3Head, embed: torch.Tensor, cache: KVCache, first: torch.Tensor, out: torch.Tensor,

@@ -87,7 +87,7 @@ class Eagle3Graphs:
                                   e.slot_len - c.key.fed_nodes)
         else:
             c.outputs = greedy_chain(e.head, e.embed, e.cache, c.logits, c.hidden, c.forced, c.pos, c.slots,
-                                     e.slot_len)
+                                     e.slot_len, alternatives=e.hedge_predrafts)
 
     def _replay(self, key, logits, hidden, pos, slots, forced=None):
         b = logits.shape[0]
