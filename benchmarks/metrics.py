@@ -57,6 +57,10 @@ class RunResult:
     predraft_ms: float | None = None           # gateway: overlap's pre-draft round trip per step
     predraft_exposed_ms: float | None = None   # gateway: what a step waited for it after the verdict
     overlap_hidden: float | None = None        # gateway: share of drafter time off the step's path
+    loop_step_ms: float | None = None          # gateway: one step of its loop (the batch's, not a sequence's)
+    draft_engine_ms: float | None = None       # gateway: the synchronous drafts' engine time per step
+    transport_ms: float | None = None          # gateway: round trips less engine time per step
+    gateway_ms: float | None = None            # gateway: the step less what it waited for the services
     speedup: float | None = None   # tok/s over mode off at the same path, pair and concurrency
     same_as_off: float | None = None  # share of sequences with exactly mode off's tokens
     outputs: list[list[int]] = field(default_factory=list, repr=False)

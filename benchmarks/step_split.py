@@ -1,8 +1,9 @@
 """The gateway's step split over one measured wave, read from its Prometheus metrics (--metrics-listen):
-the verifier's engine time, the drafter's round trips before the verify (on the step's path) and
-beside it (overlap's pre-drafts), what a step still waited for a pre-draft after its verdict, and
-from those the share of drafter time that overlap hid: (predraft - predraft_exposed) / (draft +
-predraft)."""
+the whole step, the verifier's and the synchronous drafts' engine times, the transport (round trips
+less engine time), the gateway's own share (the step less its waits), the drafter's round trips
+before the verify (on the step's path) and beside it (overlap's pre-drafts), what a step still
+waited for a pre-draft after its verdict, and from those the share of drafter time that overlap
+hid: (predraft - predraft_exposed) / (draft + predraft)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-PARTS = ("step", "verify_engine", "draft", "predraft", "predraft_exposed")
+PARTS = ("step", "verify_engine", "draft_engine", "transport", "gateway", "draft", "predraft", "predraft_exposed")
 Snapshot = dict[str, tuple[float, float]]   # part -> (seconds summed, observations)
 
 
@@ -39,7 +40,9 @@ def split(before: Snapshot, after: Snapshot) -> dict[str, float | None]:
         return {}
     seconds = {p: after[p][0] - before[p][0] for p in PARTS}
     drafter = seconds["draft"] + seconds["predraft"]
-    return {"verify_ms": 1e3 * seconds["verify_engine"] / steps,
+    return {"loop_step_ms": 1e3 * seconds["step"] / steps, "verify_ms": 1e3 * seconds["verify_engine"] / steps,
+            "draft_engine_ms": 1e3 * seconds["draft_engine"] / steps,
+            "transport_ms": 1e3 * seconds["transport"] / steps, "gateway_ms": 1e3 * seconds["gateway"] / steps,
             "draft_ms": 1e3 * seconds["draft"] / steps, "predraft_ms": 1e3 * seconds["predraft"] / steps,
             "predraft_exposed_ms": 1e3 * seconds["predraft_exposed"] / steps,
             "overlap_hidden": (seconds["predraft"] - seconds["predraft_exposed"]) / drafter if drafter > 0 else None}

@@ -22,7 +22,7 @@ from drafter_svc.engine import DRAFT_SLACK, admit, apply_item, split_by_shape
 from drafter_svc.tree_draft import expand, to_trees
 from drafter_svc.types import Draft, DrafterStep, DrafterStepResult, DraftItem, TreeShape
 from specdec.errors import ErrorCode, SequenceError
-from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded, upload, upload_list
+from specdec.model.batch import ForwardBatch, PinnedStaging, causal_region, upload, upload_packed
 from specdec.model.eagle3 import Eagle3Head
 from specdec.model.kv_cache import KVCache
 from specdec.sequence_table import SequenceState, SequenceTable
@@ -48,6 +48,7 @@ class Eagle3DrafterEngine:
         self.rows: dict[str, torch.Tensor] = {}
         self.fed: dict[str, int] = {}            # seq id -> head positions holding real pairs (q < fed)
         self.graphs = None   # Eagle3Graphs once captured
+        self.staging = PinnedStaging(self.device)   # the target states' upload
 
     def capture_cuda_graphs(self, log=None) -> None:
         """Greedy chains (with overlap's assumed tokens) and the default tree shapes as graph replays."""
@@ -95,9 +96,10 @@ class Eagle3DrafterEngine:
 
     @torch.inference_mode()
     def _draft(self, ready: list[tuple[SequenceState, DraftItem]]) -> list[tuple[DraftTree, dict[int, DraftTree]]]:
-        """-> per item its draft and its hedges (overlap pre-drafts only)."""
+        """-> per item its draft and its hedges (overlap pre-drafts only). Inputs go to the device
+        as host tensors packed into one copy each (graph statics or eager uploads)."""
         states = [s for s, _ in ready]
-        slots = self.table.slots(states, self.device)
+        slots = torch.tensor([s.slot for s in states], dtype=torch.long)              # [B] host
         logits, out = self._feed_real_pairs(states, slots)             # [B, Vd], [B, h]
         chains, trees = split_by_shape(ready)
         drafted: dict[int, tuple[DraftTree, dict[int, DraftTree]]] = {}
@@ -121,35 +123,33 @@ class Eagle3DrafterEngine:
             rows.append(pending[pending.shape[0] - len(feeds[-1]):])
             self.fed[s.seq_id] = len(s.tokens) - 1
             self.rows[s.seq_id] = pending[-1:]  # keep the last: the next step may need its output again
-        tokens, lengths = ragged_to_padded(feeds, 0, self.device)
-        n = tokens.shape[1]
-        hidden = torch.zeros(len(states), n, self.aux_width, dtype=self.dtype)    # host copies, one upload
+        n = max(len(f) for f in feeds)
+        tokens = torch.tensor([f + [0] * (n - len(f)) for f in feeds], dtype=torch.long)      # [B, n] host
+        lengths = torch.tensor([len(f) for f in feeds], dtype=torch.long)
+        start = torch.tensor(starts, dtype=torch.long)
+        hidden = self.staging.get("hidden", (len(states), n, self.aux_width), self.dtype).zero_()
         for i, r in enumerate(rows):
             hidden[i, : r.shape[0]] = r
-        hidden = upload(hidden, self.device)
-        start = upload_list(starts, self.device)
-        pos = (start[:, None] + torch.arange(n, device=self.device)).clamp(max=self.slot_len - 1)
-        batch = ForwardBatch.build(tokens, pos, slots, pos, start, causal_region(lengths, n),
-                                   kv_len=min(max(starts) + n, self.slot_len))
-        logits, out = self.head(batch, self.cache, self.embed[tokens], hidden, from_target=True)
-        last = torch.arange(len(states), device=self.device), lengths - 1
-        return logits[last], out[last]
+        fed = None if self.graphs is None else self.graphs.real_pairs(tokens, hidden, start, lengths, slots)
+        if fed is not None:
+            return fed
+        tokens, start, lengths, slots = upload_packed([tokens, start, lengths, slots], self.device)
+        return real_pairs_forward(self.head, self.embed, self.cache, tokens, upload(hidden, self.device), start,
+                                  lengths, slots, self.slot_len, kv_len=min(max(starts) + n, self.slot_len))
 
     def _chains(self, ready, slots, logits, out) -> list[tuple[DraftTree, dict[int, DraftTree]]]:
         """Assumed tokens (overlap), then the chain: each position fed the head's own previous output."""
         assumed = [it.assumed_ids for _, it in ready]
         ks = [it.shape.k for _, it in ready]
         steps = max(len(a) + k for a, k in zip(assumed, ks))
-        forced = torch.full((len(ready), steps), -1, dtype=torch.long)
-        for i, a in enumerate(assumed):
-            forced[i, : len(a)] = torch.tensor(a, dtype=torch.long)
-        forced = forced.to(self.device)
+        forced = torch.tensor([a + [-1] * (steps - len(a)) for a in assumed], dtype=torch.long)    # [B, S] host
         written = [len(s.tokens) - 1 for s, _ in ready]
-        write = upload_list(written, self.device)  # next head position
+        write = torch.tensor(written, dtype=torch.long)   # next head position
         drafted = None if self.graphs is None else self.graphs.chain(logits, out, forced, write, slots)
         if drafted is None:
-            drafted = greedy_chain(self.head, self.embed, self.cache, logits, out, forced, write, slots, self.slot_len,
-                                   alternatives=self.hedge_predrafts)
+            forced, write, dev_slots = upload_packed([forced, write, slots], self.device)
+            drafted = greedy_chain(self.head, self.embed, self.cache, logits, out, forced, write, dev_slots,
+                                   self.slot_len, alternatives=self.hedge_predrafts)
         tok_rows, lp_rows = drafted[0].tolist(), drafted[1].tolist()
         chains = [DraftTree.chain(row[len(a):len(a) + k], lp[len(a):len(a) + k])
                   for row, lp, a, k in zip(tok_rows, lp_rows, assumed, ks)]
@@ -169,29 +169,47 @@ class Eagle3DrafterEngine:
         tokens, all branches batched. Branch j of item i stores its KV past the main chain (from
         written + steps + j * k), so every branch sees the context and the j assumed tokens it keeps."""
         alt, alt_logp, fed_out = alternatives                     # [B, S], [B, S], [B, S, h]
-        ii = upload_list([i for i, _ in branches], self.device)
-        jj = upload_list([j for _, j in branches], self.device)
+        ii = torch.tensor([i for i, _ in branches], dtype=torch.long)
         k = max(ks[i] for i, _ in branches)
         rope0 = [written[i] + j for i, j in branches]             # where the correction would sit
         base = [written[i] + steps + j * ks[i] for i, j in branches]
         width = max(b - r for b, r in zip(base, rope0)) + k - 1
+        ii, jj, rope0_d, base_d, branch_slots = upload_packed(
+            [ii, torch.tensor([j for _, j in branches], dtype=torch.long), torch.tensor(rope0, dtype=torch.long),
+             torch.tensor(base, dtype=torch.long), slots[ii]], self.device)
         guesses = alt[ii, jj]
-        inputs = (guesses, fed_out[ii, jj], upload_list(rope0, self.device), upload_list(base, self.device))
-        drafted = None if self.graphs is None else self.graphs.hedges(*inputs, width, slots[ii], k - 1)
+        inputs = (guesses, fed_out[ii, jj], rope0_d, base_d)
+        drafted = None if self.graphs is None else self.graphs.hedges(*inputs, width, branch_slots, k - 1)
         if drafted is None:
-            drafted = hedge_chains(self.head, self.embed, self.cache, *inputs, width, slots[ii], k - 1, self.slot_len)
+            drafted = hedge_chains(self.head, self.embed, self.cache, *inputs, width, branch_slots, k - 1,
+                                   self.slot_len)
         toks, logps = drafted
         first, first_lp = guesses.tolist(), alt_logp[ii, jj].tolist()
         for n, ((i, j), row, lp) in enumerate(zip(branches, toks.tolist(), logps.tolist())):
             hedges[i][j] = DraftTree.chain([first[n]] + row[: ks[i] - 1], [first_lp[n]] + lp[: ks[i] - 1])
 
     def _trees(self, states, slots, root_logits, root_out, shape: TreeShape) -> list[DraftTree]:
-        ctx_len = upload_list([len(s.tokens) - 1 for s in states], self.device)   # head KV of real pairs
+        ctx_len = torch.tensor([len(s.tokens) - 1 for s in states], dtype=torch.long)   # head KV of real pairs
         out = None if self.graphs is None else self.graphs.tree(root_logits, root_out, ctx_len, slots, shape)
         if out is None:
+            ctx_len, slots = upload_packed([ctx_len, slots], self.device)
             out = head_tree(self.head, self.embed, self.cache, root_logits, root_out, ctx_len, slots, shape,
                             max(len(s.tokens) - 1 for s in states))
         return to_trees(*out)
+
+
+def real_pairs_forward(head: Eagle3Head, embed: torch.Tensor, cache: KVCache, tokens: torch.Tensor,
+                       hidden: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                       slot_len: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [B, n] paired with the target's states hidden [B, n, aux] (rows past lengths [B] are
+    padding), stored from head position start [B] on -> the draft logits [B, Vd] and hidden output
+    [B, h] at each row's last real pair. Tensor work only (CUDA graphs capture it)."""
+    n = tokens.shape[1]
+    pos = (start[:, None] + torch.arange(n, device=tokens.device)).clamp(max=slot_len - 1)
+    batch = ForwardBatch(tokens, pos, slots, pos, start, causal_region(lengths, n), kv_len)
+    logits, out = head(batch, cache, embed[tokens], hidden, from_target=True)
+    last = torch.arange(tokens.shape[0], device=tokens.device), lengths - 1
+    return logits[last], out[last]
 
 
 def greedy_chain(head: Eagle3Head, embed: torch.Tensor, cache: KVCache, logits: torch.Tensor, out: torch.Tensor,

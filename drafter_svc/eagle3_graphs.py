@@ -1,12 +1,16 @@
-"""The EAGLE-3 head's draft loops as CUDA graphs: one replay per greedy chain or tree.
+"""The EAGLE-3 head's forwards as CUDA graphs: a step is two replays, the real pairs, then the
+greedy chain or tree.
 
-Like drafter_svc/draft_graphs.py for draft models, with the head's extra static inputs: the
-hidden output after the last committed token (each drafted position feeds the head's own
-output) and, for chains, overlap's forced (assumed) tokens. A graph is captured per (batch
-bucket, chain steps) and per (batch bucket, tree shape); padding rows draft into the scratch
-slot. The real pairs before the loop (their count varies) run eagerly. A drafter that hedges
-(--hedge-predrafts) also captures the hedge loop per (row bucket, steps), its masks spanning a
-fixed HEDGE_WIDTH positions (wider hedges run eagerly).
+The real pairs (the tokens a verdict committed, with the target's hidden states) are captured per
+(batch bucket, pairs per sequence up to 8); a sequence's first step (its whole prompt) runs
+eagerly. The draft loops are as drafter_svc/draft_graphs.py has them for draft models, with the
+head's extra static inputs: the hidden output after the last committed token (each drafted
+position feeds the head's own output) and, for chains, overlap's forced (assumed) tokens: one
+graph per (batch bucket, chain steps) and per (batch bucket, tree shape). Padding rows write
+into the scratch slot. A graph's int64 inputs are views of one buffer that one copy fills from
+the host (padding included). A drafter that hedges (--hedge-predrafts) also captures the hedge
+loop per (row bucket, steps), its masks spanning a fixed HEDGE_WIDTH positions (wider hedges run
+eagerly).
 """
 
 from __future__ import annotations
@@ -14,12 +18,16 @@ from __future__ import annotations
 import torch
 
 from drafter_svc.draft_graphs import DEFAULT_TREE_SHAPES, capture_loops
-from drafter_svc.eagle3_engine import Eagle3DrafterEngine, greedy_chain, head_tree, hedge_chains
+from drafter_svc.eagle3_engine import Eagle3DrafterEngine, greedy_chain, head_tree, hedge_chains, real_pairs_forward
 from drafter_svc.types import TreeShape
+from specdec.model.batch import PackedStatics, pad_rows
 from specdec.model.cuda_graphs import batch_buckets
 
 # Chain steps = assumed tokens + k: chains of up to 6 drafts, after up to 7 assumed ones.
 DEFAULT_CHAIN_STEPS = tuple(range(1, 14))
+# Real pairs per sequence in a step: a verdict's accepted drafts and bonus (a chain of up to 6,
+# a tree of depth up to 7), and the last pair again when nothing new was committed.
+REAL_PAIRS = tuple(range(1, 9))
 # Hedges: drafts of k <= 4 after their guesses, up to 4 hedges a sequence (pre-drafts after chains
 # of k <= 4); their masks span 128 positions (a chain of k = 4 needs 25).
 HEDGE_STEPS = (1, 2, 3, 4)
@@ -36,9 +44,21 @@ class _Captured:
         logits_dtype = torch.promote_types(engine.dtype, torch.float32)
         self.logits = torch.zeros(b, head.spec.draft_vocab_size, dtype=logits_dtype, device=dev)
         self.hidden = torch.zeros(b, head.spec.layer.hidden_size, dtype=engine.dtype, device=dev)
-        self.pos = torch.zeros(b, dtype=torch.long, device=dev)      # next head position (= real pairs held)
-        self.slots = torch.full((b,), scratch, dtype=torch.long, device=dev)
-        self.forced = torch.full((b, key if isinstance(key, int) else 1), -1, dtype=torch.long, device=dev)
+        # next head position (= real pairs held), slots, and overlap's forced tokens (-1: draft)
+        self.ints = PackedStatics([((b,), 0), ((b,), scratch), ((b, key if isinstance(key, int) else 1), -1)], dev)
+        self.pos, self.slots, self.forced = self.ints.views
+        self.outputs: tuple[torch.Tensor, ...] = ()
+
+
+class _CapturedPairs:
+    def __init__(self, n: int, b: int, engine: Eagle3DrafterEngine) -> None:
+        self.key = n
+        self.graph: torch.cuda.CUDAGraph | None = None
+        scratch = engine.cache.num_slots - 1
+        # tokens [b, n], first head position, real pairs (>= 1), slots
+        self.ints = PackedStatics([((b, n), 0), ((b,), 0), ((b,), 1), ((b,), scratch)], engine.device)
+        self.tokens, self.start, self.lengths, self.slots = self.ints.views
+        self.hidden = torch.zeros(b, n, engine.aux_width, dtype=engine.dtype, device=engine.device)
         self.outputs: tuple[torch.Tensor, ...] = ()
 
 
@@ -63,16 +83,25 @@ class Eagle3Graphs:
         self.keys = tuple(sorted(chain_steps)) + tuple(tree_shapes)
         self.scratch_slot = engine.cache.num_slots - 1
         self.captured: dict[tuple[int, object], _Captured] = {}
+        self.pairs_captured: dict[tuple[int, int], _CapturedPairs] = {}
         self.hedge_sizes = batch_buckets(HEDGES_PER_SEQUENCE * max_batch)
         self.hedges_captured: dict[tuple[int, int], _CapturedHedges] = {}
 
     def capture(self, log=None) -> None:
+        self.pairs_captured = capture_loops(self.batch_sizes, REAL_PAIRS, lambda b, n: _CapturedPairs(n, b, self.engine),
+                                            self._pairs_body, self.scratch_slot, self.engine.device, log)
         self.captured = capture_loops(self.batch_sizes, self.keys, lambda b, key: _Captured(key, b, self.engine),
                                       self._body, self.scratch_slot, self.engine.device, log)
         if self.engine.hedge_predrafts:
             self.hedges_captured = capture_loops(self.hedge_sizes, HEDGE_STEPS,
                                                  lambda r, steps: _CapturedHedges(steps, r, self.engine),
                                                  self._hedge_body, self.scratch_slot, self.engine.device, log)
+
+    def _pairs_body(self, c: _CapturedPairs) -> None:
+        e = self.engine
+        # keys read: the whole slot (the attention reads each row's own length anyway)
+        c.outputs = real_pairs_forward(e.head, e.embed, e.cache, c.tokens, c.hidden, c.start, c.lengths, c.slots,
+                                       e.slot_len, e.slot_len)
 
     def _hedge_body(self, c: _CapturedHedges) -> None:
         e = self.engine
@@ -89,23 +118,39 @@ class Eagle3Graphs:
             c.outputs = greedy_chain(e.head, e.embed, e.cache, c.logits, c.hidden, c.forced, c.pos, c.slots,
                                      e.slot_len, alternatives=e.hedge_predrafts)
 
+    def _bucket(self, b: int) -> int | None:
+        return next((x for x in self.batch_sizes if x >= b), None)
+
+    def real_pairs(self, tokens, hidden, start, lengths, slots):
+        """Host tensors: tokens [B, n], hidden [B, n, aux] (pinned on CUDA), start, lengths, slots [B]
+        -> real_pairs_forward's outputs, or None when no graph fits (run eagerly)."""
+        b, n = tokens.shape
+        gb = self._bucket(b)
+        c = self.pairs_captured.get((gb, n))
+        if c is None:
+            return None
+        c.ints.load([pad_rows(tokens, gb, 0), pad_rows(start, gb, 0), pad_rows(lengths, gb, 1),
+                     pad_rows(slots, gb, self.scratch_slot)])
+        c.hidden[:b].copy_(hidden, non_blocking=True)   # padding rows keep old states: they see only themselves
+        c.graph.replay()
+        return tuple(out[:b] for out in c.outputs)
+
     def _replay(self, key, logits, hidden, pos, slots, forced=None):
+        """logits, hidden on the device; pos, slots [B] and forced [B, S] on the host."""
         b = logits.shape[0]
-        gb = next((x for x in self.batch_sizes if x >= b), None)
+        gb = self._bucket(b)
         c = self.captured.get((gb, key))
         if c is None:
             return None
-        c.logits[:b], c.hidden[:b], c.pos[:b], c.slots[:b] = logits, hidden, pos, slots
-        c.slots[b:] = self.scratch_slot
-        if forced is not None:
-            c.forced[:b] = forced
-            c.forced[b:] = -1
+        c.logits[:b], c.hidden[:b] = logits, hidden
+        forced = torch.full((b, 1), -1, dtype=torch.long) if forced is None else forced
+        c.ints.load([pad_rows(pos, gb, 0), pad_rows(slots, gb, self.scratch_slot), pad_rows(forced, gb, -1)])
         c.graph.replay()
         return tuple(out[:b] for out in c.outputs)
 
     def chain(self, logits, hidden, forced, write, slots):
         """-> greedy_chain's outputs (target ids, logps, the hedges' alternatives), or None when no graph
-        fits (run eagerly)."""
+        fits (run eagerly). forced, write, slots: host tensors."""
         return self._replay(forced.shape[1], logits, hidden, write, slots, forced)
 
     def hedges(self, first, hidden, rope0, base, width: int, slots, steps: int):
@@ -123,5 +168,5 @@ class Eagle3Graphs:
         return tuple(out[:r] for out in c.outputs)
 
     def tree(self, logits, hidden, ctx_len, slots, shape: TreeShape):
-        """-> (target ids, parents, logps) [B, budget] as head_tree, or None."""
+        """-> (target ids, parents, logps) [B, budget] as head_tree, or None. ctx_len, slots: host tensors."""
         return self._replay(shape, logits, hidden, ctx_len, slots)

@@ -4,7 +4,9 @@ Starts verifier, drafter and gateway (the real processes), sends the same prompt
 configuration at each concurrency, checks that every mode produced the same tokens as mode off
 (lossless), and prints one table row per configuration:
 output tok/s, time per output token p50/p99, time to first token p50, mean accepted length,
-overlap hit rate, and speedup vs off at the same concurrency.
+overlap hit rate, and speedup vs off at the same concurrency. A second table splits each row's
+gateway steps (from the gateway's /metrics, benchmarks/step_split.py): the engines' times, the
+transport, the gateway's own share, and the drafter's round trips.
 
     python scripts/bench_serve.py --device cuda --concurrency 1 4 16 --max-new-tokens 128
     python scripts/bench_serve.py --target DIR --draft DIR ...   (default: the embedded SmolLM2 pair)
@@ -25,7 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from cluster import Cluster, request  # noqa: E402
+from benchmarks import step_split  # noqa: E402
+from cluster import Cluster, free_port, request  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
@@ -65,10 +68,13 @@ def one(cluster: Cluster, prompt_ids: list[int], n: int, mode: str, spec: dict, 
             "end": end, "start": t0, "stats": final.stats}
 
 
-def run_config(cluster, prompts, n, mode, spec, concurrency, stop_at_eos: bool = False) -> dict:
+def run_config(cluster, prompts, n, mode, spec, concurrency, stop_at_eos: bool = False,
+               metrics: str | None = None) -> dict:
     jobs = [prompts[i % len(prompts)] for i in range(max(concurrency, len(prompts)))]
+    before = step_split.scrape(metrics) if metrics else None
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda p: one(cluster, p, n, mode, spec, stop_at_eos), jobs))
+    split = step_split.split(before, step_split.scrape(metrics)) if metrics else {}
     wall = max(r["end"] for r in results) - min(r["start"] for r in results)
     tokens = sum(len(r["ids"]) for r in results)
     tpots = sorted(r["tpot"] for r in results)
@@ -84,6 +90,7 @@ def run_config(cluster, prompts, n, mode, spec, concurrency, stop_at_eos: bool =
         "accept_len": committed / steps if steps else 1.0,
         "overlap_hit": hits / (hits + misses) if hits + misses else None,
         "outputs": [r["ids"] for r in results],
+        "split": split,
     }
 
 
@@ -158,7 +165,9 @@ def main() -> None:
     else:
         prompts = [tok(t)["input_ids"] for t in texts]
     threads = [] if a.cpu_threads is None else ["--cpu-threads", str(a.cpu_threads)]
+    metrics = f"127.0.0.1:{free_port()}"
     cluster = Cluster(target, draft, device=a.device, dtype=dtype, extra=["--max-sequences", "64"],
+                      gateway_extra=["--metrics-listen", metrics],
                       drafter_extra=drafter_extra + threads + (["--hedge-predrafts"] if a.hedge_predrafts else []),
                       verifier_extra=verifier_extra + threads).start()
     rows = []
@@ -171,7 +180,7 @@ def main() -> None:
                 base = None
                 for name in a.configs:
                     mode, spec = CONFIGS[name]
-                    r = run_config(cluster, prompts, a.max_new_tokens, mode, spec, c, a.stop_at_eos)
+                    r = run_config(cluster, prompts, a.max_new_tokens, mode, spec, c, a.stop_at_eos, metrics)
                     if name == "off":
                         base = r
                     elif base is not None:
@@ -193,6 +202,19 @@ def main() -> None:
         print(f"| {r['concurrency']} | {r['config']} | {r['tok_s']:.1f} | {r['tpot_p50_ms']:.1f} | "
               f"{r['tpot_p99_ms']:.1f} | {r['ttft_p50_ms']:.1f} | {r['accept_len']:.2f} | {hit} | {spd} | "
               f"{r.get('lossless', '-')} |")
+    print("\nPer gateway step, ms (a step serves the whole batch): the step, the verifier's and the synchronous "
+          "drafts' engine times, transport (round trips less engine time), the gateway's own share (the step "
+          "less its waits), the drafter's round trip before the verify, overlap's pre-draft beside it and what "
+          "a step waited for it after the verdict")
+    print("| C | config | step | verify engine | draft engine | transport | gateway | draft round trip | pre-draft | "
+          "waited for it |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        s = r["split"]
+        if s:
+            print(f"| {r['concurrency']} | {r['config']} | " + " | ".join(f"{s[k]:.2f}" for k in (
+                "loop_step_ms", "verify_ms", "draft_engine_ms", "transport_ms", "gateway_ms", "draft_ms",
+                "predraft_ms", "predraft_exposed_ms")) + " |")
     if hf_rows:
         base = hf_rows[0].tok_s
         print("\n| Hugging Face, C = 1 | tok/s | TPOT p50 ms | vs hf generate | same tokens as our off |")

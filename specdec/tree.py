@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-from torch.nn import functional as F
 
 from specdec.draft_tree import DraftTree, Proposal  # noqa: F401  (re-exported)
-from specdec.model.batch import upload, upload_list
+from specdec.model.batch import upload, upload_packed
 
 
 @dataclass
@@ -24,30 +24,34 @@ class PackedTrees:
 
 
 def pack_trees(roots: list[int], trees: list[DraftTree], device: torch.device) -> PackedTrees:
+    """The structure is worked out on the host (a few numpy operations, not dozens of kernel
+    launches) and moved in two copies."""
     n = 1 + max((len(t) for t in trees), default=0)
     tokens = [[root, *t.token_ids] + [0] * (n - 1 - len(t)) for root, t in zip(roots, trees)]
-    parents = [[-1, *t.parents] + [-1] * (n - 1 - len(t)) for t in trees]
+    parents = np.array([[-1, *t.parents] + [-1] * (n - 1 - len(t)) for t in trees], dtype=np.int64).reshape(-1, n)
     shapes = [t.shape() for t in trees]
-    tokens, parents = (upload(torch.tensor(x, dtype=torch.long), device) for x in (tokens, parents))
-    num_nodes = upload_list([1 + len(t) for t in trees], device)
     max_depth = max((d for d, _ in shapes), default=0)
     ancestors, depth = tree_structure(parents, max_depth)
-    return PackedTrees(tokens, parents, num_nodes, ancestors, depth, max_depth,
+    tokens, parents, num_nodes, depth = upload_packed(
+        [torch.tensor(tokens, dtype=torch.long).reshape(-1, n), torch.from_numpy(parents),
+         torch.tensor([1 + len(t) for t in trees], dtype=torch.long), torch.from_numpy(depth)], device)
+    return PackedTrees(tokens, parents, num_nodes, upload(torch.from_numpy(ancestors), device), depth, max_depth,
                        max((c for _, c in shapes), default=0))
 
 
-def tree_structure(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_structure(parents: np.ndarray, max_depth: int) -> tuple[np.ndarray, np.ndarray]:
     """parents [B, n] (-1 = no parent), the deepest node's depth -> (ancestor-or-self mask [B, n, n],
     depth [B, n])."""
     b, n = parents.shape
-    ancestors = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n).clone()
-    depth = torch.zeros_like(parents)
+    ancestors = np.broadcast_to(np.eye(n, dtype=bool), (b, n, n)).copy()
+    depth = np.zeros((b, n), dtype=np.int64)
+    rows, nodes = np.arange(b)[:, None], np.arange(n)[None, :]
     cur = parents
     for _ in range(max_depth):  # one hop up the tree per iteration, all nodes at once
         has_parent = cur >= 0
-        ancestors |= F.one_hot(cur.clamp(min=0), n).bool() & has_parent[:, :, None]
-        depth += has_parent.long()
-        cur = torch.where(has_parent, torch.gather(parents, 1, cur.clamp(min=0)), cur)
+        ancestors[rows, nodes, np.where(has_parent, cur, nodes)] = True   # no parent: self, already set
+        depth += has_parent
+        cur = np.where(has_parent, np.take_along_axis(parents, np.maximum(cur, 0), 1), cur)
     return ancestors, depth
 
 

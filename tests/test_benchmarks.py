@@ -157,12 +157,14 @@ def test_step_split_share_of_drafter_time_hidden():
     which 6 ms outlasted the verdict -> 54 of the drafter's 80 ms were off the step's path."""
     from benchmarks.step_split import split
 
-    before = {"step": (1.0, 5), "verify_engine": (0.8, 5), "draft": (0.5, 2), "predraft": (0.3, 3),
-              "predraft_exposed": (0.01, 3)}
-    after = {"step": (2.0, 15), "verify_engine": (0.85, 15), "draft": (0.52, 4), "predraft": (0.36, 13),
-             "predraft_exposed": (0.016, 13)}
+    before = {"step": (1.0, 5), "verify_engine": (0.8, 5), "draft_engine": (0.4, 2), "transport": (0.1, 5),
+              "gateway": (0.05, 5), "draft": (0.5, 2), "predraft": (0.3, 3), "predraft_exposed": (0.01, 3)}
+    after = {"step": (2.0, 15), "verify_engine": (0.85, 15), "draft_engine": (0.41, 4), "transport": (0.13, 15),
+             "gateway": (0.054, 15), "draft": (0.52, 4), "predraft": (0.36, 13), "predraft_exposed": (0.016, 13)}
     got = split(before, after)
-    assert got["verify_ms"] == pytest.approx(5.0)
+    assert got["loop_step_ms"] == pytest.approx(100.0) and got["verify_ms"] == pytest.approx(5.0)
+    assert got["draft_engine_ms"] == pytest.approx(1.0) and got["transport_ms"] == pytest.approx(3.0)
+    assert got["gateway_ms"] == pytest.approx(0.4)
     assert got["draft_ms"] == pytest.approx(2.0) and got["predraft_ms"] == pytest.approx(6.0)
     assert got["predraft_exposed_ms"] == pytest.approx(0.6)
     assert got["overlap_hidden"] == pytest.approx(54 / 80)

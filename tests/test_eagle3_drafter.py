@@ -145,7 +145,7 @@ class _EagerReplay:
 
 
 def graphed(eng: Eagle3DrafterEngine, device: str) -> Eagle3DrafterEngine:
-    from drafter_svc.eagle3_graphs import HEDGE_STEPS, Eagle3Graphs, _Captured, _CapturedHedges
+    from drafter_svc.eagle3_graphs import HEDGE_STEPS, REAL_PAIRS, Eagle3Graphs, _Captured, _CapturedHedges, _CapturedPairs
 
     if device == "cuda":
         eng.capture_cuda_graphs()
@@ -156,6 +156,9 @@ def graphed(eng: Eagle3DrafterEngine, device: str) -> Eagle3DrafterEngine:
         for key in g.keys:
             c = g.captured[(b, key)] = _Captured(key, b, eng)
             c.graph = _EagerReplay(g._body, c)
+        for n in REAL_PAIRS:
+            c = g.pairs_captured[(b, n)] = _CapturedPairs(n, b, eng)
+            c.graph = _EagerReplay(g._pairs_body, c)
     for r in g.hedge_sizes:
         for steps in HEDGE_STEPS:
             c = g.hedges_captured[(r, steps)] = _CapturedHedges(steps, r, eng)

@@ -195,13 +195,14 @@ class VerifierEngine:
         on_path = verdict.path >= 0
         scattered = (on_path & (verdict.path != dense)).any(1)                      # [B]
         accepted = torch.gather(trees.tokens, 1, verdict.path.clamp(min=0))[:, 1:]  # [B, D]
-        # The step's one read-back: accepted tokens, their count, the bonus, whether to compact.
-        rows = torch.cat([accepted, torch.stack([verdict.accept_len, verdict.bonus, scattered.long()], 1)], 1)
-        rows = rows.tolist()
         hidden = None
         if aux is not None and any(s.seq_id in self.hidden_wanted for s in states):  # root + accepted nodes, in order
             path = verdict.path.clamp(min=0)
-            hidden = torch.gather(aux, 1, path[:, :, None].expand(-1, -1, aux.shape[-1])).cpu()
+            # queued before the read-back below, which waits for it too (same stream)
+            hidden = torch.gather(aux, 1, path[:, :, None].expand(-1, -1, aux.shape[-1])).to("cpu", non_blocking=True)
+        # The step's one read-back: accepted tokens, their count, the bonus, whether to compact.
+        rows = torch.cat([accepted, torch.stack([verdict.accept_len, verdict.bonus, scattered.long()], 1)], 1)
+        rows = rows.tolist()
         if any(row[-1] for row in rows):  # compact the accepted path's KV into a dense prefix
             src = kv_start[:, None] + torch.where(on_path, verdict.path, dense)
             self.runner.move(slots, src, kv_start[:, None] + dense)

@@ -7,6 +7,7 @@ A chain is a causal region, a tree an ancestor mask; padding queries see only th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -78,9 +79,61 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     (a plain copy from pageable memory synchronises the stream)."""
     if device.type != "cuda":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
 
 
 def upload_list(values: list[int], device: torch.device) -> torch.Tensor:
     """[len(values)] int64 on `device`, see upload."""
     return upload(torch.tensor(values, dtype=torch.long), device)
+
+
+def upload_packed(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host int64 tensors -> the same on `device`, moved in one copy (views of one device buffer):
+    a step's small inputs cost one transfer, not one each."""
+    flat = upload(torch.cat([p.reshape(-1) for p in parts]), device)
+    return [v.view(p.shape) for v, p in zip(flat.split([p.numel() for p in parts]), parts)]
+
+
+def pad_rows(t: torch.Tensor, rows: int, value: int) -> torch.Tensor:
+    """Host tensor [B, ...] -> [rows, ...], the rows past B filled with `value`."""
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
+
+
+class PinnedStaging:
+    """Host buffers a step fills for its uploads, kept from step to step: allocating pinned memory
+    costs far more than the copy it serves. Reuse is safe because every step of the engines that use
+    them ends with a read-back on the same stream, which waits for the step's copies."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.pinned = device.type == "cuda"
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised host tensor of `shape` (the same memory as the last call with `name`)."""
+        n = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = self.buffers[name] = torch.empty(max(n, 2 * (0 if buf is None else buf.numel())), dtype=dtype,
+                                                   pin_memory=self.pinned)
+        return buf[:n].view(shape)
+
+
+class PackedStatics:
+    """A CUDA graph's int64 inputs as views of one device buffer, loaded from the host in one copy
+    (through a pinned buffer of its own, see PinnedStaging).
+    fills: (shape, value) per input, the value it holds at capture (what padding rows hold)."""
+
+    def __init__(self, fills: list[tuple[tuple[int, ...], int]], device: torch.device) -> None:
+        sizes = [math.prod(shape) for shape, _ in fills]
+        self.buffer = torch.empty(sum(sizes), dtype=torch.long, device=device)
+        self.host = torch.empty(sum(sizes), dtype=torch.long, pin_memory=device.type == "cuda")
+        self.views = [v.view(shape) for v, (shape, _) in zip(self.buffer.split(sizes), fills)]
+        for v, (_, value) in zip(self.views, fills):
+            v.fill_(value)
+
+    def load(self, parts: list[torch.Tensor]) -> None:
+        """parts: host tensors of the views' shapes, in their order."""
+        torch.cat([p.reshape(-1) for p in parts], out=self.host)
+        self.buffer.copy_(self.host, non_blocking=True)
