@@ -102,13 +102,18 @@ class Eagle3DrafterEngine:
         slots = torch.tensor([s.slot for s in states], dtype=torch.long)              # [B] host
         logits, out = self._feed_real_pairs(states, slots)             # [B, Vd], [B, h]
         chains, trees = split_by_shape(ready)
+        groups = [(rows, None) for rows in [chains] if rows] + [(rows, shape) for shape, rows in trees.items()]
         drafted: dict[int, tuple[DraftTree, dict[int, DraftTree]]] = {}
-        if chains:
-            drafted.update(zip(chains, self._chains([ready[i] for i in chains], slots[chains], logits[chains],
-                                                    out[chains])))
-        for shape, rows in trees.items():
-            drafted.update(zip(rows, ((t, {}) for t in self._trees([states[i] for i in rows], slots[rows],
-                                                                   logits[rows], out[rows], shape))))
+        for rows, shape in groups:
+            if len(groups) > 1:   # one group (the usual step): no gather, no index upload
+                index = upload(torch.tensor(rows, dtype=torch.long), self.device)
+                inputs = slots[rows], logits[index], out[index]
+            else:
+                inputs = slots, logits, out
+            if shape is None:
+                drafted.update(zip(rows, self._chains([ready[i] for i in rows], *inputs)))
+            else:
+                drafted.update(zip(rows, ((t, {}) for t in self._trees([states[i] for i in rows], *inputs, shape))))
         return [drafted[i] for i in range(len(ready))]
 
     def _feed_real_pairs(self, states: list[SequenceState], slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -88,6 +88,23 @@ def test_first_draft_is_the_architectures_argmax(checkpoints, tmp_path):
     assert abs(res.drafts[0].tree.logprobs[0] - float(torch.log_softmax(logits[-1], -1).max())) < 1e-9
 
 
+def test_a_step_of_chains_and_trees_drafts_each_as_alone(checkpoints, tmp_path):
+    """Items of different shapes in one step (as --mode auto sends them) are drafted in groups by
+    shape: each item's draft equals the draft it gets in a step of its own."""
+    target, head_dir = setup(checkpoints, tmp_path)
+    contexts = {"a": [3, 14, 15, 92, 65], "b": [35, 89, 79, 32, 38, 46], "c": [43, 38, 7]}
+    shapes = {"a": ChainShape(3), "b": TreeShape(2, 3, 5), "c": ChainShape(2)}
+    aux = engine(target, head_dir).head.spec.aux_layers
+    items = {sid: DraftItem(sid, len(ctx), ctx, [], shapes[sid], hidden=target_states(target, aux, ctx))
+             for sid, ctx in contexts.items()}
+    together = engine(target, head_dir).step(DrafterStep(1, list(items.values())))
+    assert not together.errors
+    for d in together.drafts:
+        alone = engine(target, head_dir).step(DrafterStep(1, [items[d.seq_id]])).drafts[0]
+        assert (d.tree.token_ids, d.tree.parents) == (alone.tree.token_ids, alone.tree.parents), d.seq_id
+        assert max(abs(x - y) for x, y in zip(d.tree.logprobs, alone.tree.logprobs)) < 1e-9
+
+
 def test_missing_states_and_trees_are_refused(checkpoints, tmp_path):
     target, head_dir = setup(checkpoints, tmp_path)
     eng = engine(target, head_dir)
