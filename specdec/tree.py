@@ -27,14 +27,14 @@ def pack_trees(roots: list[int], trees: list[DraftTree], device: torch.device) -
     """The structure is worked out on the host (a few numpy operations, not dozens of kernel
     launches) and moved in two copies."""
     n = 1 + max((len(t) for t in trees), default=0)
-    tokens = [[root, *t.token_ids] + [0] * (n - 1 - len(t)) for root, t in zip(roots, trees)]
-    parents = np.array([[-1, *t.parents] + [-1] * (n - 1 - len(t)) for t in trees], dtype=np.int64).reshape(-1, n)
+    # per row: the node tokens, their parents, the real node count   [B, 2n + 1]
+    rows = np.array([[root, *t.token_ids, *[0] * (n - 1 - len(t)), -1, *t.parents, *[-1] * (n - 1 - len(t)),
+                      1 + len(t)] for root, t in zip(roots, trees)], dtype=np.int64).reshape(-1, 2 * n + 1)
     shapes = [t.shape() for t in trees]
     max_depth = max((d for d, _ in shapes), default=0)
-    ancestors, depth = tree_structure(parents, max_depth)
+    ancestors, depth = tree_structure(rows[:, n:2 * n], max_depth)
     tokens, parents, num_nodes, depth = upload_packed(
-        [torch.tensor(tokens, dtype=torch.long).reshape(-1, n), torch.from_numpy(parents),
-         torch.tensor([1 + len(t) for t in trees], dtype=torch.long), torch.from_numpy(depth)], device)
+        [torch.from_numpy(x) for x in (rows[:, :n], rows[:, n:2 * n], rows[:, 2 * n], depth)], device)
     return PackedTrees(tokens, parents, num_nodes, upload(torch.from_numpy(ancestors), device), depth, max_depth,
                        max((c for _, c in shapes), default=0))
 
@@ -45,6 +45,8 @@ def tree_structure(parents: np.ndarray, max_depth: int) -> tuple[np.ndarray, np.
     b, n = parents.shape
     ancestors = np.broadcast_to(np.eye(n, dtype=bool), (b, n, n)).copy()
     depth = np.zeros((b, n), dtype=np.int64)
+    if max_depth == 0:   # mode off: roots alone
+        return ancestors, depth
     rows, nodes = np.arange(b)[:, None], np.arange(n)[None, :]
     cur = parents
     for _ in range(max_depth):  # one hop up the tree per iteration, all nodes at once
