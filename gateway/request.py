@@ -118,6 +118,7 @@ class ActiveRequest:
     # states: it runs as mode off for life, without them and without drafter state (cost: see
     # AutoController.admit)
     parked: bool = False
+    scout: bool = False                         # auto kept it ready to draft while settled off (probes use it)
     choice: str = ""                            # auto: the name of this step's choice
     draft_family: str = ""                      # acceptance family of `draft` ("chain" or a tree shape)
     draft: DraftTree | None = None              # ready for the next verify, made from len(tokens)

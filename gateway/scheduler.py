@@ -56,6 +56,7 @@ class Scheduler:
         self.active: dict[str, ActiveRequest] = {}
         self.close_verifier: list[str] = []
         self.close_drafter: dict[str, list[str]] = defaultdict(list)
+        self.stop_hidden: list[str] = []   # seq ids whose verdicts should stop carrying hidden states
         self.wakeup = asyncio.Event()
         self.step_no = 0
         self.tally = metrics.StepTally(verifier.address)
@@ -124,6 +125,8 @@ class Scheduler:
         continuing = [r for r in self.active.values() if not r.opening and not self.hold.held(r)]
         if self.auto is not None:
             self.auto.plan(continuing, prefilling)
+            for r in self.auto.take_parked():
+                self._park(r)
         started = time.perf_counter()
         self.tally.queue.set(len(self.pending))
         self.tally.active.set(len(self.active))
@@ -141,8 +144,9 @@ class Scheduler:
             verify=[verifier_pb2.VerifyItem(seq_id=r.seq_id, committed_len=len(r.tokens),
                                             draft=tree_to_proto(r.draft or DraftTree())) for r in continuing],
             close=self.close_verifier,
+            stop_hidden_states=self.stop_hidden,
         )
-        self.close_verifier = []
+        self.close_verifier, self.stop_hidden = [], []
         overlap = [r for r in continuing if r.mode == Mode.CHAIN and r.settings.overlap and r.draft]
         (verdicts, verify_rtt), predraft = await asyncio.gather(timed(self.verifier.step(verify_msg)),
                                                                 self._draft_all(overlap, predraft=True))
@@ -232,6 +236,13 @@ class Scheduler:
         if r.drafter_len:
             self.close_drafter[r.drafter].append(r.seq_id)
         r.mode, r.draft, r.predraft, r.drafter_len, r.hidden_rows, r.auto = Mode.OFF, None, None, 0, [], False
+
+    def _park(self, r: ActiveRequest) -> None:
+        """Auto parked r mid-life: no more hidden states from the verifier, no drafter state."""
+        self.stop_hidden.append(r.seq_id)
+        if r.drafter_len:
+            self.close_drafter[r.drafter].append(r.seq_id)
+        r.draft, r.predraft, r.drafter_len, r.hidden_rows = None, None, 0, []
 
     def _drafter_lost(self, address: str, reason: str) -> None:
         affected = [r for r in self.active.values() if r.drafter == address]
@@ -351,7 +362,7 @@ class Scheduler:
         self.active.clear()
         self.pending.clear()
         # Both ends free these sequences when their streams end: reset instead of closing one by one.
-        self.close_verifier = []
+        self.close_verifier, self.stop_hidden = [], []
         self.close_drafter.clear()
         for stream in self.drafters.values():
             stream.reset()

@@ -1,6 +1,8 @@
 """`--mode auto` with an EAGLE-3 drafter: once it has settled on off, requests admitted are parked
 (mode off for life, no hidden states asked of the verifier, no drafter state), one in eight kept as
-a scout for the probes; not with a drafter that needs no hidden states, and not before it settles."""
+a scout for the probes, and so are the requests already running when it settles (once, handed to
+the scheduler to stop their hidden states); not with a drafter that needs no hidden states, and not
+before it settles."""
 
 from __future__ import annotations
 
@@ -71,6 +73,24 @@ def test_requests_admitted_after_auto_settles_off_are_parked_but_scouts():
     assert probes > 0
 
 
+def test_requests_running_when_auto_settles_off_are_parked_but_scouts():
+    auto = controller(hidden_states=True)
+    running = [request(i) for i in range(2 * SCOUT_EVERY)]
+    for r in running:
+        auto.admit(r)
+    serve_without_acceptance(auto, running, 30)
+    assert not auto.settled_off() and not auto.take_parked()     # nothing parked before it settles
+    serve_without_acceptance(auto, running, 400)
+    assert auto.settled_off()
+    parked = auto.take_parked()
+    assert len(parked) == 2 * SCOUT_EVERY - 2 and all(r.parked and not r.speculates for r in parked)
+    scouts = [r for r in running if not r.parked]
+    assert len(scouts) == 2 and all(r.scout and r.speculates for r in scouts)
+    assert not auto.take_parked()                                # handed over once
+    serve_without_acceptance(auto, running, 200)
+    assert not auto.take_parked() and all(r.parked for r in parked)   # scouts are not parked later
+
+
 def test_without_hidden_states_nothing_is_parked():
     auto = controller(hidden_states=False)
     running = [request(i) for i in range(4)]
@@ -79,7 +99,7 @@ def test_without_hidden_states_nothing_is_parked():
     late = [request(i) for i in range(100, 116)]
     for r in late:
         auto.admit(r)
-    assert not any(r.parked for r in late)
+    assert not any(r.parked for r in late) and not auto.take_parked()
 
 
 def test_a_drafter_that_pays_is_never_settled_off():

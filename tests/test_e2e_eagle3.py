@@ -92,3 +92,29 @@ def test_eagle3_under_auto_switching_shapes_every_step(checkpoints, head, start_
         assert ids == hf_greedy(target, prompt, 32)
         s = final.stats
         assert s.mode == "auto" and s.steps_by_mode["off"] >= 2 and s.drafted > 0, s
+
+
+def test_eagle3_request_parked_mid_life_stays_lossless(checkpoints, head, start_cluster):
+    """auto with a head that never pays (random weights): once auto settles on off, the request that
+    has been running (and drafting) since before is parked mid-life -- its drafter state is freed
+    and the verifier stops its hidden states -- and its output stays the target's greedy output."""
+    from cluster import request
+
+    target = checkpoints["llama-gqa"]
+    cluster = start_cluster(target, target, verifier_extra=["--aux-hidden-layers", "1,2,3"],
+                            drafter_extra=["--eagle3-head", str(head)], extra=["--cost-profile"], hold=True)
+    prompt, n, hold_at = PROMPTS[0], 240, 220
+    cluster.hold("long", hold_at)
+    req = request(prompt, n, "auto")
+    req.request_id = "long"
+    stream = cluster.gateway.Generate(req, timeout=300)
+    ids, final = [], None
+    while len(ids) < hold_at:
+        ids += next(stream).token_ids
+    assert cluster.info("drafter").active_sequences == 0      # parked: its drafter state freed
+    cluster.release("long")
+    for msg in stream:
+        ids += msg.token_ids
+        final = msg.final if msg.HasField("final") else final
+    assert ids == hf_greedy(target, prompt, n)
+    assert final.stats.drafted > 0 and final.stats.steps_by_mode["off"] > 0, final.stats

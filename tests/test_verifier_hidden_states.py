@@ -81,6 +81,20 @@ def test_verdict_hidden_states_tile_the_sequence_and_equal_hf(graphed, checkpoin
         torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
 
 
+def test_stopped_hidden_states_leave_the_verdicts(checkpoints):
+    """A step's stop_hidden (auto parked the sequence) ends its hidden states from that step's
+    verdict on; the other sequence keeps getting them."""
+    eng = engine(checkpoints["llama-gqa"], graphed=False)
+    res = eng.step(VerifierStep(0, open=[OpenSequence(s, [5, 6, 7], want_hidden=True) for s in "ab"]))
+    lens = {v.seq_id: 3 + len(v.accepted_ids) for v in res.verdicts}
+    for step, stop in [(1, []), (2, ["a"]), (3, [])]:
+        res = eng.step(VerifierStep(step, verify=[VerifyItem(s, n, DraftTree.chain([9])) for s, n in lens.items()],
+                                    stop_hidden=stop))
+        carried = {v.seq_id for v in res.verdicts if v.hidden is not None}
+        assert carried == ({"a", "b"} if step == 1 else {"b"}), step
+        lens = {v.seq_id: v.committed_len for v in res.verdicts}
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_payload_round_trip(dtype):
     t = torch.randn(3, 10).to(dtype)
@@ -97,3 +111,8 @@ def test_servicer_ships_the_hidden_states(checkpoints):
     msg = servicer.result_to_proto(res)
     assert torch.equal(payload_to_tensor(msg.verdicts[0].hidden_states), res.verdicts[0].hidden)
     assert list(msg.verdicts[0].hidden_states.shape) == [3, len(AUX) * eng.spec.hidden_size]
+    # the request side: a parked sequence's stop reaches the engine
+    from specdec.rpc import verifier_pb2
+
+    step = servicer.step_from_proto(verifier_pb2.VerifyStepRequest(step=1, stop_hidden_states=["a"]))
+    assert step.stop_hidden == ["a"]

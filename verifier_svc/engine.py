@@ -54,6 +54,7 @@ class VerifierEngine:
     def step(self, req: VerifierStep) -> VerifierStepResult:
         result = VerifierStepResult(req.step)
         self.close(req.close)
+        self.hidden_wanted.difference_update(req.stop_hidden)
         opened: list[tuple[SequenceState, str]] = []
         for o in req.open:
             problem = o.sampling.problem()

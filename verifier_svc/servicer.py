@@ -17,6 +17,7 @@ class VerifierServicer(StepStreamServicer, verifier_pb2_grpc.VerifierServicer):
                                o.want_hidden_states) for o in msg.open],
             verify=[VerifyItem(v.seq_id, v.committed_len, tree_from_proto(v.draft)) for v in msg.verify],
             close=list(msg.close),
+            stop_hidden=list(msg.stop_hidden_states),
         )
 
     def result_to_proto(self, res: VerifierStepResult) -> verifier_pb2.VerifyStepResponse:

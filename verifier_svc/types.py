@@ -33,6 +33,7 @@ class VerifierStep:
     open: list[OpenSequence] = field(default_factory=list)
     verify: list[VerifyItem] = field(default_factory=list)
     close: list[str] = field(default_factory=list)
+    stop_hidden: list[str] = field(default_factory=list)   # verdicts no longer carry their hidden states
 
 
 @dataclass

@@ -37,6 +37,8 @@ class AutoController:
         hidden_states: the verifier sends hidden states to requests that may draft (EAGLE-3)."""
         self.hidden_states = hidden_states
         self.admitted_while_off = 0
+        self.was_settled = False                       # settled off (with hidden states) at the last plan
+        self.parked_running: list[ActiveRequest] = []  # parked mid-life, for take_parked()
         self.verifier_costs, self.drafter_profile = verifier_costs, drafter_profile
         self.verifier_accelerators = set(verifier_accelerators)
         self.max_draft_tokens = max_draft_tokens
@@ -80,11 +82,23 @@ class AutoController:
         probes keep losing), requests admitted are parked - mode off for life, without hidden
         states - except one in SCOUT_EVERY, which its probes use, so a turn in acceptance or load
         is still noticed and later admissions draft again."""
-        if not (self.hidden_states and self.settled_off()):
-            return
+        if self.hidden_states and self.settled_off():
+            self._park_or_scout(r)
+
+    def _park_or_scout(self, r: ActiveRequest) -> bool:
+        """Parks r unless it is the one in SCOUT_EVERY kept ready to draft; -> whether it was parked."""
         self.admitted_while_off += 1
         if self.admitted_while_off % SCOUT_EVERY:
             r.parked, r.choice, r.mode = True, "off", Mode.OFF
+            return True
+        r.scout = True
+        return False
+
+    def take_parked(self) -> list[ActiveRequest]:
+        """Requests parked mid-life since the last call: the scheduler stops their hidden states on
+        the verifier and frees their drafter state."""
+        parked, self.parked_running = self.parked_running, []
+        return parked
 
     def settled_off(self) -> bool:
         """Every policy chooses off and has seen a probe lose since it did."""
@@ -97,6 +111,13 @@ class AutoController:
         only choices already measured at this batch size (AutoPolicy.plan's explore=False)."""
         self.step_plans = []
         self._flush_verdicts()
+        settled = self.hidden_states and self.settled_off()
+        if settled and not self.was_settled:
+            # Requests admitted before auto settled stop paying for readiness too (as admit() has
+            # it for later ones): the same one in SCOUT_EVERY is kept for the probes.
+            self.parked_running += [r for r in continuing if r.auto and not r.parked and not r.scout
+                                    and self._park_or_scout(r)]
+        self.was_settled = settled
         auto = [r for r in continuing if r.auto and not r.parked]
         if not auto:
             return
