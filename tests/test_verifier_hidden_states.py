@@ -83,16 +83,20 @@ def test_verdict_hidden_states_tile_the_sequence_and_equal_hf(graphed, checkpoin
 
 def test_stopped_hidden_states_leave_the_verdicts(checkpoints):
     """A step's stop_hidden (auto parked the sequence) ends its hidden states from that step's
-    verdict on; the other sequence keeps getting them."""
-    eng = engine(checkpoints["llama-gqa"], graphed=False)
-    res = eng.step(VerifierStep(0, open=[OpenSequence(s, [5, 6, 7], want_hidden=True) for s in "ab"]))
-    lens = {v.seq_id: 3 + len(v.accepted_ids) for v in res.verdicts}
+    verdict on; the other sequence keeps getting them, the same rows as where nothing stopped
+    (only the wanting sequences' rows are gathered)."""
+    stopping, control = (engine(checkpoints["llama-gqa"], graphed=False) for _ in range(2))
+    opened = [OpenSequence(s, p, want_hidden=True) for s, p in (("a", [5, 6, 7]), ("b", [9, 4]))]
+    res = [e.step(VerifierStep(0, open=opened)) for e in (stopping, control)]
+    lens = {v.seq_id: v.committed_len for v in res[0].verdicts}
     for step, stop in [(1, []), (2, ["a"]), (3, [])]:
-        res = eng.step(VerifierStep(step, verify=[VerifyItem(s, n, DraftTree.chain([9])) for s, n in lens.items()],
-                                    stop_hidden=stop))
-        carried = {v.seq_id for v in res.verdicts if v.hidden is not None}
+        items = [VerifyItem(s, n, DraftTree.chain([9, 9])) for s, n in lens.items()]
+        got = stopping.step(VerifierStep(step, verify=items, stop_hidden=stop))
+        want = control.step(VerifierStep(step, verify=items))
+        carried = {v.seq_id for v in got.verdicts if v.hidden is not None}
         assert carried == ({"a", "b"} if step == 1 else {"b"}), step
-        lens = {v.seq_id: v.committed_len for v in res.verdicts}
+        assert torch.equal(got.verdicts[1].hidden, want.verdicts[1].hidden), step
+        lens = {v.seq_id: v.committed_len for v in got.verdicts}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

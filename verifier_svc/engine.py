@@ -13,7 +13,7 @@ import torch
 from kernels.greedy_accept import greedy_accept
 from kernels.spec_sampling import child_table, spec_sample
 from specdec.errors import ErrorCode, SequenceError
-from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded, upload_list
+from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded, upload, upload_list
 from specdec.model.runner import ModelRunner
 from specdec.sampling import ACCEPT, RESIDUAL, processed_probs, sample_from, seed_tensor, uniforms
 from specdec.sequence_table import SequenceState, SequenceTable
@@ -196,11 +196,18 @@ class VerifierEngine:
         on_path = verdict.path >= 0
         scattered = (on_path & (verdict.path != dense)).any(1)                      # [B]
         accepted = torch.gather(trees.tokens, 1, verdict.path.clamp(min=0))[:, 1:]  # [B, D]
-        hidden = None
-        if aux is not None and any(s.seq_id in self.hidden_wanted for s in states):  # root + accepted nodes, in order
+        # Hidden states (root + accepted nodes, in order) of the sequences that want them, only those
+        # rows gathered and copied (under auto most of a batch may not: parked requests)
+        wanted = [i for i, s in enumerate(states) if s.seq_id in self.hidden_wanted] if aux is not None else []
+        hidden: dict[int, torch.Tensor] = {}
+        if wanted:
             path = verdict.path.clamp(min=0)
+            if len(wanted) < len(states):
+                index = upload(torch.tensor(wanted, dtype=torch.long), self.device)
+                aux, path = aux[index], path[index]
             # queued before the read-back below, which waits for it too (same stream)
-            hidden = torch.gather(aux, 1, path[:, :, None].expand(-1, -1, aux.shape[-1])).to("cpu", non_blocking=True)
+            rows_out = torch.gather(aux, 1, path[:, :, None].expand(-1, -1, aux.shape[-1])).to("cpu", non_blocking=True)
+            hidden = dict(zip(wanted, rows_out))
         # The step's one read-back: accepted tokens, their count, the bonus, whether to compact.
         rows = torch.cat([accepted, torch.stack([verdict.accept_len, verdict.bonus, scattered.long()], 1)], 1)
         rows = rows.tolist()
@@ -211,6 +218,5 @@ class VerifierEngine:
         for i, (s, (*row, a, bonus, _)) in enumerate(zip(states, rows)):
             new = row[:a] + [bonus]
             s.tokens += new
-            wanted = hidden is not None and s.seq_id in self.hidden_wanted
-            out.append(Verdict(s.seq_id, len(s.tokens), new, a, hidden[i, :a + 1] if wanted else None))
+            out.append(Verdict(s.seq_id, len(s.tokens), new, a, hidden[i][:a + 1] if i in hidden else None))
         return out
