@@ -2,8 +2,7 @@
 greedy chain or tree.
 
 The real pairs (the tokens a verdict committed, with the target's hidden states) are captured per
-(batch bucket, pairs per sequence up to 8); a sequence's first step (its whole prompt) runs
-eagerly. The draft loops are as drafter_svc/draft_graphs.py has them for draft models, with the
+(batch bucket, pairs per sequence up to 8); a step with more (a prompt) runs them eagerly. The draft loops are as drafter_svc/draft_graphs.py has them for draft models, with the
 head's extra static inputs: the hidden output after the last committed token (each drafted
 position feeds the head's own output) and, for chains, overlap's forced (assumed) tokens: one
 graph per (batch bucket, chain steps) and per (batch bucket, tree shape). Padding rows write
