@@ -1,14 +1,15 @@
 """`--mode auto` with an EAGLE-3 drafter: once it has settled on off, requests admitted are parked
-(mode off for life, no hidden states asked of the verifier, no drafter state), one in eight kept as
-a scout for the probes, and so are the requests already running when it settles (once, handed to
-the scheduler to stop their hidden states); not with a drafter that needs no hidden states, and not
-before it settles."""
+(mode off for life, no hidden states asked of the verifier, no drafter state), and so are the
+requests already running when it settles (handed to the scheduler once, to stop their hidden
+states). When the probe interval has passed, the request admitted is a scout: the next plan probes
+it, and a plan after that which still chooses off parks it. Not with a drafter that needs no hidden
+states, and not before auto settles."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from gateway.auto.controller import SCOUT_EVERY, AutoController, draft_family
+from gateway.auto.controller import AutoController, draft_family
 from gateway.request import ActiveRequest, GenerationRequest, Mode, SpecSettings
 from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, VERIFY_WIDTHS, StepCost, chain_shape, predraft_shape, \
     tree_shape
@@ -46,49 +47,56 @@ def serve_without_acceptance(auto: AutoController, reqs: list[ActiveRequest], st
         auto.observe_step(step_seconds(reqs))
 
 
-def test_requests_admitted_after_auto_settles_off_are_parked_but_scouts():
-    auto = controller(hidden_states=True)
+def settle_off(auto: AutoController) -> list[ActiveRequest]:
     running = [request(i) for i in range(4)]
     for r in running:
         auto.admit(r)
     assert not any(r.parked for r in running)       # not settled yet: every request keeps its states
     serve_without_acceptance(auto, running, 400)
     assert auto.settled_off() and all(r.mode == Mode.OFF for r in running)
-    late = [request(i) for i in range(100, 100 + 4 * SCOUT_EVERY)]
-    for r in late:
-        auto.admit(r)
-    scouts = [r for r in late if not r.parked]
-    assert len(scouts) == 4 and all(r.speculates for r in scouts)
-    parked = [r for r in late if r.parked]
-    assert all(not r.speculates and r.mode == Mode.OFF and r.choice == "off" for r in parked)
-    # The first requests finish; the parked are planned as plain decoding, the scouts still get probes.
-    for r in running:
-        auto.forget(r)
-    probes = 0
-    for _ in range(1000):
-        auto.plan(late)
-        assert all(r.mode == Mode.OFF for r in parked)
-        probes += any(r.mode != Mode.OFF for r in scouts)
-        auto.observe_step(step_seconds(late))
-    assert probes > 0
+    return running
 
 
-def test_requests_running_when_auto_settles_off_are_parked_but_scouts():
+def test_requests_admitted_after_auto_settles_off_are_parked_but_a_scout_per_probe():
     auto = controller(hidden_states=True)
-    running = [request(i) for i in range(2 * SCOUT_EVERY)]
+    running = settle_off(auto)
+    assert auto.take_parked() == running
+    interval = auto.policies[True].probe_interval
+    serve_without_acceptance(auto, running, interval)   # a probe interval since settling: the next one scouts
+    scout = request(200)
+    late = [request(i) for i in range(100, 108)]
+    for r in [scout, *late]:
+        auto.admit(r)
+    assert scout.scout and scout.speculates
+    assert all(r.parked and not r.speculates and r.mode == Mode.OFF and r.choice == "off" for r in late)
+    batch = running + late + [scout]
+    auto.plan(batch)                                  # the scout is probed at once: one step, one token
+    assert scout.mode == Mode.CHAIN and all(r.mode == Mode.OFF for r in batch if r is not scout)
+    assert not auto.take_parked()
+    serve_without_acceptance(auto, batch, 2)          # the probe lost: the next plan parks the scout
+    assert scout.parked and not scout.speculates and auto.take_parked() == [scout]
+    assert auto.settled_off() and auto.policies[True].probe_interval == 2 * interval
+    # The next scout comes once the doubled interval has passed.
+    serve_without_acceptance(auto, batch, interval)
+    early = request(300)
+    auto.admit(early)
+    serve_without_acceptance(auto, batch, interval)
+    due = request(301)
+    auto.admit(due)
+    assert early.parked and due.scout
+
+
+def test_requests_running_when_auto_settles_off_are_parked():
+    auto = controller(hidden_states=True)
+    running = [request(i) for i in range(6)]
     for r in running:
         auto.admit(r)
     serve_without_acceptance(auto, running, 30)
     assert not auto.settled_off() and not auto.take_parked()     # nothing parked before it settles
     serve_without_acceptance(auto, running, 400)
     assert auto.settled_off()
-    parked = auto.take_parked()
-    assert len(parked) == 2 * SCOUT_EVERY - 2 and all(r.parked and not r.speculates for r in parked)
-    scouts = [r for r in running if not r.parked]
-    assert len(scouts) == 2 and all(r.scout and r.speculates for r in scouts)
+    assert auto.take_parked() == running and all(r.parked and not r.speculates for r in running)
     assert not auto.take_parked()                                # handed over once
-    serve_without_acceptance(auto, running, 200)
-    assert not auto.take_parked() and all(r.parked for r in parked)   # scouts are not parked later
 
 
 def test_without_hidden_states_nothing_is_parked():

@@ -24,7 +24,6 @@ from gateway.request import ActiveRequest, Mode, SpecSettings
 from specdec.cost_profile import StepCost, tree_shape
 
 WARMUP_STEPS = 3
-SCOUT_EVERY = 8            # while settled off, one admitted request in this many stays ready to draft
 CONFIRM_MEASUREMENTS = 3   # the calibration's median needs three
 SETTLED_REPLAN = 8         # while settled off, a full plan every replan_every * SETTLED_REPLAN steps
 
@@ -36,8 +35,10 @@ class AutoController:
         """drafter_profile: () -> a drafter's (cost profile, accelerators), asked until one answers;
         hidden_states: the verifier sends hidden states to requests that may draft (EAGLE-3)."""
         self.hidden_states = hidden_states
-        self.admitted_while_off = 0
         self.was_settled = False                       # settled off (with hidden states) at the last plan
+        self.steps_settled = 0                         # plans since the last scout while settled
+        self.scout: ActiveRequest | None = None        # the request kept ready to draft for a probe
+        self.scout_probed = False                      # its probe has run (its verdict comes before the next plan)
         self.parked_running: list[ActiveRequest] = []  # parked mid-life, for take_parked()
         self.verifier_costs, self.drafter_profile = verifier_costs, drafter_profile
         self.verifier_accelerators = set(verifier_accelerators)
@@ -80,19 +81,31 @@ class AutoController:
         does not draft: every verdict carries its hidden states (copied off the GPU, sent, held by
         the gateway), a large share of a small target's step. Once auto has settled on off (its
         probes keep losing), requests admitted are parked - mode off for life, without hidden
-        states - except one in SCOUT_EVERY, which its probes use, so a turn in acceptance or load
-        is still noticed and later admissions draft again."""
-        if self.hidden_states and self.settled_off():
-            self._park_or_scout(r)
-
-    def _park_or_scout(self, r: ActiveRequest) -> bool:
-        """Parks r unless it is the one in SCOUT_EVERY kept ready to draft; -> whether it was parked."""
-        self.admitted_while_off += 1
-        if self.admitted_while_off % SCOUT_EVERY:
+        states. Probes still need a request that can draft: when the policy's probe interval has
+        passed since the last one, the request admitted becomes the scout. It keeps its hidden
+        states, the next plan probes it (one step drafting one token), and once that has run it is
+        parked too if auto is still settled on off. So scouting costs a few steps per probe, and a
+        turn in acceptance or load is still noticed."""
+        if not (self.hidden_states and self.settled_off()):
+            return
+        if self.scout is None and self.steps_settled >= min(p.probe_interval for p in self._auto_policies()):
+            self.scout, self.scout_probed, self.steps_settled = r, False, 0
+            r.scout = True
+            for p in self._auto_policies():
+                p.probe_due()
+        else:
             r.parked, r.choice, r.mode = True, "off", Mode.OFF
-            return True
-        r.scout = True
-        return False
+
+    def _auto_policies(self) -> list[AutoPolicy]:
+        return [p for p in self.policies.values() if isinstance(p, AutoPolicy)]
+
+    def _park(self, running: list[ActiveRequest]) -> None:
+        """Parks requests mid-life (handed to the scheduler by take_parked)."""
+        for r in running:
+            r.parked, r.scout, r.choice, r.mode = True, False, "off", Mode.OFF
+            if r is self.scout:
+                self.scout = None
+        self.parked_running += running
 
     def take_parked(self) -> list[ActiveRequest]:
         """Requests parked mid-life since the last call: the scheduler stops their hidden states on
@@ -102,7 +115,7 @@ class AutoController:
 
     def settled_off(self) -> bool:
         """Every policy chooses off and has seen a probe lose since it did."""
-        policies = [p for p in self.policies.values() if isinstance(p, AutoPolicy)]
+        policies = self._auto_policies()
         return bool(policies) and all(p.settled_off for p in policies)
 
     # ---- before the step ---------------------------------------------------------------------
@@ -112,11 +125,11 @@ class AutoController:
         self.step_plans = []
         self._flush_verdicts()
         settled = self.hidden_states and self.settled_off()
-        if settled and not self.was_settled:
-            # Requests admitted before auto settled stop paying for readiness too (as admit() has
-            # it for later ones): the same one in SCOUT_EVERY is kept for the probes.
-            self.parked_running += [r for r in continuing if r.auto and not r.parked and not r.scout
-                                    and self._park_or_scout(r)]
+        if settled:
+            self.steps_settled += 1
+            if not self.was_settled:   # the requests running since before settling, as admit() has it for later ones
+                self._park([r for r in continuing if r.auto and not r.parked])
+                self.steps_settled = 0
         self.was_settled = settled
         auto = [r for r in continuing if r.auto and not r.parked]
         if not auto:
@@ -140,6 +153,11 @@ class AutoController:
             plan = self._cached_plan(policy, group, overlap_allowed, others, other_width, other_tokens, prefilling)
             self.step_plans.append((policy, plan, others))
             choice, speculating = plan.choice, set(plan.speculating)
+            if self.scout is not None and any(r is self.scout for r in group):
+                if choice != OFF and self.scout.seq_id in speculating:
+                    self.scout_probed = True
+                elif self.scout_probed and choice == OFF and self.settled_off():
+                    self._park([self.scout])   # a plan after its probe's verdict still chooses off
             if choice.name != self.last_choice.get(overlap_allowed):
                 self.last_choice[overlap_allowed] = choice.name
                 self.log.info("auto mode choice", choice=choice.name, batch=len(group) + others,
@@ -170,8 +188,9 @@ class AutoController:
         settled = (cached is not None and cached.plan.choice == OFF and isinstance(policy, AutoPolicy)
                    and policy.settled_off)
         limit = self.replan_every * (SETTLED_REPLAN if settled else 1)
+        scouting = self.scout is not None and not self.scout_probed   # its probe comes with a full plan
         if (cached is not None and cached.confirmed and cached.bucket == key and cached.age < limit
-                and not joined_off and (explore or self._measured(policy, cached.plan))):
+                and not joined_off and not scouting and (explore or self._measured(policy, cached.plan))):
             cached.age += 1
             plan, known = cached.plan, cached.known
             keep = set(plan.speculating) | ({i for i in ids if i not in known} if plan.choice != OFF else set())
@@ -249,6 +268,8 @@ class AutoController:
     def forget(self, r: ActiveRequest) -> None:
         self._flush_verdicts()   # its last verdict still counts for its drafter
         self.book.forget(r.seq_id)
+        if r is self.scout:   # ended before (or right after) its probe: the next admission may scout
+            self.scout = None
 
 
 def step_width(s: SpecSettings, mode: Mode) -> int:

@@ -222,6 +222,10 @@ class AutoPolicy:
             return current
         return best
 
+    def probe_due(self) -> None:
+        """The next full plan that chooses off probes (a scout was just admitted for it)."""
+        self.steps_off = max(self.steps_off, self.probe_interval)
+
     @property
     def settled_off(self) -> bool:
         """Off is its choice, and a probe lost since it chose off (the probe interval has grown)."""
