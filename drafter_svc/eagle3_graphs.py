@@ -2,8 +2,9 @@
 greedy chain or tree.
 
 The real pairs (the tokens a verdict committed, with the target's hidden states) are captured per
-(batch bucket, pairs per sequence up to 8); a step with more (a prompt) runs them eagerly. The draft loops are as drafter_svc/draft_graphs.py has them for draft models, with the
-head's extra static inputs: the hidden output after the last committed token (each drafted
+(batch bucket, pairs per sequence up to 8); a step with more (a prompt) runs them eagerly. The
+draft loops are as drafter_svc/draft_graphs.py has them for draft models, with the head's extra
+static inputs: the hidden output after the last committed token (each drafted
 position feeds the head's own output) and, for chains, overlap's forced (assumed) tokens: one
 graph per (batch bucket, chain steps) and per (batch bucket, tree shape). Padding rows write
 into the scratch slot. A graph's int64 inputs are views of one buffer that one copy fills from
@@ -19,7 +20,7 @@ import torch
 from drafter_svc.draft_graphs import DEFAULT_TREE_SHAPES, capture_loops
 from drafter_svc.eagle3_engine import Eagle3DrafterEngine, greedy_chain, head_tree, hedge_chains, real_pairs_forward
 from drafter_svc.types import TreeShape
-from specdec.model.batch import PackedStatics, pad_rows
+from specdec.model.batch import PackedStatics
 from specdec.model.cuda_graphs import batch_buckets
 
 # Chain steps = assumed tokens + k: chains of up to 6 drafts, after up to 7 assumed ones.
@@ -128,8 +129,7 @@ class Eagle3Graphs:
         c = self.pairs_captured.get((gb, n))
         if c is None:
             return None
-        c.ints.load([pad_rows(tokens, gb, 0), pad_rows(start, gb, 0), pad_rows(lengths, gb, 1),
-                     pad_rows(slots, gb, self.scratch_slot)])
+        c.ints.load([tokens, start, lengths, slots])   # padding rows: the capture's values
         c.hidden[:b].copy_(hidden, non_blocking=True)   # padding rows keep old states: they see only themselves
         c.graph.replay()
         return tuple(out[:b] for out in c.outputs)
@@ -143,7 +143,7 @@ class Eagle3Graphs:
             return None
         c.logits[:b], c.hidden[:b] = logits, hidden
         forced = torch.full((b, 1), -1, dtype=torch.long) if forced is None else forced
-        c.ints.load([pad_rows(pos, gb, 0), pad_rows(slots, gb, self.scratch_slot), pad_rows(forced, gb, -1)])
+        c.ints.load([pos, slots, forced])
         c.graph.replay()
         return tuple(out[:b] for out in c.outputs)
 

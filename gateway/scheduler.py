@@ -233,13 +233,15 @@ class Scheduler:
         return rtt, resp.engine_seconds
 
     def _stop_speculating(self, r: ActiveRequest) -> None:
-        if r.drafter_len:
-            self.close_drafter[r.drafter].append(r.seq_id)
-        r.mode, r.draft, r.predraft, r.drafter_len, r.hidden_rows, r.auto = Mode.OFF, None, None, 0, [], False
+        self._free_drafter_state(r)
+        r.mode, r.auto = Mode.OFF, False
 
     def _park(self, r: ActiveRequest) -> None:
         """Auto parked r mid-life: no more hidden states from the verifier, no drafter state."""
         self.stop_hidden.append(r.seq_id)
+        self._free_drafter_state(r)
+
+    def _free_drafter_state(self, r: ActiveRequest) -> None:
         if r.drafter_len:
             self.close_drafter[r.drafter].append(r.seq_id)
         r.draft, r.predraft, r.drafter_len, r.hidden_rows = None, None, 0, []

@@ -117,8 +117,8 @@ def check_logits(eager: VerifierEngine, graphed: VerifierEngine, tol: float) -> 
 def test_packed_inputs_arrive_whole_and_padded():
     """A step's small int64 inputs move in one copy: upload_packed gives back each part, shape and
     values; a graph's PackedStatics hold their capture values until loaded, then exactly the parts
-    (padding rows as pad_rows fills them)."""
-    from specdec.model.batch import PackedStatics, pad_rows, upload_packed
+    (padding rows with those capture values)."""
+    from specdec.model.batch import PackedStatics, upload_packed
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     parts = [torch.arange(6).view(2, 3), torch.tensor([7, -1]), torch.tensor([[5], [6]])]
@@ -126,7 +126,7 @@ def test_packed_inputs_arrive_whole_and_padded():
         assert got.shape == want.shape and torch.equal(got.cpu(), want)
     statics = PackedStatics([((4, 3), 0), ((4,), 9), ((4, 1), -1)], dev)
     assert [v.cpu().unique().tolist() for v in statics.views] == [[0], [9], [-1]]
-    statics.load([pad_rows(parts[0], 4, 0), pad_rows(parts[1], 4, 9), pad_rows(parts[2], 4, -1)])
+    statics.load(parts)
     tokens, slots, forced = (v.cpu() for v in statics.views)
     assert tokens.tolist() == [[0, 1, 2], [3, 4, 5], [0, 0, 0], [0, 0, 0]]
     assert slots.tolist() == [7, -1, 9, 9] and forced.tolist() == [[5], [6], [-1], [-1]]

@@ -94,13 +94,6 @@ def upload_packed(parts: list[torch.Tensor], device: torch.device) -> list[torch
     return [v.view(p.shape) for v, p in zip(flat.split([p.numel() for p in parts]), parts)]
 
 
-def pad_rows(t: torch.Tensor, rows: int, value: int) -> torch.Tensor:
-    """Host tensor [B, ...] -> [rows, ...], the rows past B filled with `value`."""
-    if t.shape[0] == rows:
-        return t
-    return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
-
-
 class PinnedStaging:
     """Host buffers a step fills for its uploads, kept from step to step: allocating pinned memory
     costs far more than the copy it serves. Reuse is safe because every step of the engines that use
@@ -123,10 +116,11 @@ class PinnedStaging:
 class PackedStatics:
     """A CUDA graph's int64 inputs as views of one device buffer, loaded from the host in one copy
     (through a pinned buffer of its own, see PinnedStaging).
-    fills: (shape, value) per input, the value it holds at capture (what padding rows hold)."""
+    fills: (shape, value) per input, the value it holds at capture and in padding rows."""
 
     def __init__(self, fills: list[tuple[tuple[int, ...], int]], device: torch.device) -> None:
         sizes = [math.prod(shape) for shape, _ in fills]
+        self.fills = fills
         self.buffer = torch.empty(sum(sizes), dtype=torch.long, device=device)
         self.host = torch.empty(sum(sizes), dtype=torch.long, pin_memory=device.type == "cuda")
         self.views = [v.view(shape) for v, (shape, _) in zip(self.buffer.split(sizes), fills)]
@@ -134,6 +128,9 @@ class PackedStatics:
             v.fill_(value)
 
     def load(self, parts: list[torch.Tensor]) -> None:
-        """parts: host tensors of the views' shapes, in their order."""
-        torch.cat([p.reshape(-1) for p in parts], out=self.host)
+        """parts: host tensors [B, ...] in the views' order, B up to the views' rows; the rows past
+        B get each view's fill value."""
+        padded = [p if p.shape[0] == shape[0] else torch.cat([p, p.new_full((shape[0] - p.shape[0], *shape[1:]), value)])
+                  for p, (shape, value) in zip(parts, self.fills)]
+        torch.cat([p.reshape(-1) for p in padded], out=self.host)
         self.buffer.copy_(self.host, non_blocking=True)
