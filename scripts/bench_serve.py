@@ -54,6 +54,27 @@ CONFIGS = {
 }
 
 
+def config(name: str) -> tuple[str, dict]:
+    """A named config above, or any shape spelled the same way: "chain k=3", "chain k=3 no-overlap",
+    "tree topk=8 depth=6 budget=32" (a tree's unnamed sizes as in "tree topk=4")."""
+    if name in CONFIGS:
+        return CONFIGS[name]
+    mode, *words = name.split()
+    if mode not in ("chain", "tree") or not words:
+        raise argparse.ArgumentTypeError(f"unknown config {name!r}: use one of {list(CONFIGS)} or e.g. "
+                                         f"'chain k=3', 'tree topk=8 depth=6 budget=32'")
+    spec = dict(CONFIGS["chain k=4" if mode == "chain" else "tree topk=4"][1])
+    for word in words:
+        if word == "no-overlap" and mode == "chain":
+            spec["overlap"] = False
+            continue
+        key, _, value = word.partition("=")
+        if key not in spec or not value.isdigit():
+            raise argparse.ArgumentTypeError(f"config {name!r}: {word!r} is not one of {mode}'s sizes {sorted(spec)}")
+        spec[key] = int(value)
+    return mode, spec
+
+
 def one(cluster: Cluster, prompt_ids: list[int], n: int, mode: str, spec: dict, stop_at_eos: bool) -> dict:
     t0 = time.perf_counter()
     stamps, ids, final = [], [], None
@@ -116,7 +137,8 @@ def main() -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS),
+                   help=f"{list(CONFIGS)} or any chain or tree spelled the same way, e.g. 'tree topk=8 depth=6 budget=32'")
     p.add_argument("--eagle3-head", default=None, help="draft with this EAGLE-3 head instead of --draft")
     p.add_argument("--prompts", default="fixed", choices=["fixed", "heldout"],
                    help="fixed: the 8 prompts above; heldout: the first --num-prompts held-out training prompts")
@@ -135,6 +157,11 @@ def main() -> None:
                         "earlier rejection")
     p.add_argument("--json-out", default=None)
     a = p.parse_args()
+    for name in a.configs:
+        try:
+            config(name)
+        except argparse.ArgumentTypeError as exc:
+            p.error(str(exc))
     if a.stop_at_eos and a.hf:
         p.error("--hf generates fixed-length answers; run it without --stop-at-eos")
     if a.target:
@@ -172,14 +199,14 @@ def main() -> None:
                       verifier_extra=verifier_extra + threads).start()
     rows = []
     try:
-        for mode, spec in (CONFIGS[name] for name in a.configs):  # warm-up: allocations, kernel compiles
+        for mode, spec in map(config, a.configs):  # warm-up: allocations, kernel compiles
             run_config(cluster, prompts, 16, mode, spec, max(a.concurrency))
         total = len(a.concurrency) * len(a.configs)
         with tqdm(total=total, desc="benchmark", file=sys.stderr) as bar:
             for c in a.concurrency:
                 base = None
                 for name in a.configs:
-                    mode, spec = CONFIGS[name]
+                    mode, spec = config(name)
                     r = run_config(cluster, prompts, a.max_new_tokens, mode, spec, c, a.stop_at_eos, metrics)
                     if name == "off":
                         base = r

@@ -1,7 +1,9 @@
 """Where a step's time goes between the gateway and the verifier, apart from the model: the bare
 gRPC (grpc.aio + uvloop) round trip on the Verifier.Step stream, the same with the hop to the
-engine's worker thread, and a real verifier process (a tiny random model) against its own engine
-called in-process -- so "transport" = round trip - engine step, at several batch sizes. Then the EAGLE-3 hidden-state
+engine's worker thread, and a real verifier process (a tiny random model): its round trip, the
+engine time it reports for each step, and so "transport" = round trip - that engine time, at
+several batch sizes (the same engine called in this process is shown beside it: a second process
+on the same cores runs its engine slower, so that difference overstates transport). Then the EAGLE-3 hidden-state
 payload a verdict carries per step (committed tokens x the head's layers x hidden size, bf16):
 its bytes and the time of each of its hops -- device-to-host copy of the captured rows, encoding
 into the Verdict and DraftItem messages, decoding on the other side.
@@ -109,8 +111,9 @@ def engine_step(checkpoint: Path, batch: int, device: str) -> float:
     return statistics.median(times[STEPS // 10:])
 
 
-def verifier_round_trip(checkpoint: Path, batch: int, device: str) -> float:
-    """p50 of the same step sent to a verifier process over its Step stream."""
+def verifier_round_trip(checkpoint: Path, batch: int, device: str) -> tuple[float, float]:
+    """The same step sent to a verifier process over its Step stream -> p50 of the round trip and
+    of the round trip less the engine time the verifier reported for it."""
     addr = f"127.0.0.1:{free_port()}"
     proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "verifier", "--model", str(checkpoint),
                              "--listen", addr, "--device", device, "--dtype", "float32", "--max-context", "512",
@@ -118,22 +121,23 @@ def verifier_round_trip(checkpoint: Path, batch: int, device: str) -> float:
     try:
         wait_serving(addr, proc=proc)
 
-        async def client() -> float:
+        async def client() -> tuple[float, float]:
             stream = StepStream("verifier", addr)
             ids = [f"s{i}" for i in range(batch)]
             resp = await stream.step(verifier_pb2.VerifyStepRequest(step=1, open=[
                 verifier_pb2.OpenSequence(seq_id=s, prompt_ids=[1, 2, 3]) for s in ids]))
             lengths = {v.seq_id: v.committed_len for v in resp.verdicts}
-            times = []
+            times, transport = [], []
             for i in range(STEPS):
                 msg = verifier_pb2.VerifyStepRequest(step=i + 2, verify=[verifier_pb2.VerifyItem(
                     seq_id=s, committed_len=lengths[s], draft=tree_to_proto(DraftTree())) for s in ids])
                 t0 = time.perf_counter()
                 resp = await stream.step(msg)
                 times.append(time.perf_counter() - t0)
+                transport.append(times[-1] - resp.engine_seconds)
                 lengths.update({v.seq_id: v.committed_len for v in resp.verdicts})
             await stream.close()
-            return statistics.median(times[STEPS // 10:])
+            return statistics.median(times[STEPS // 10:]), statistics.median(transport[STEPS // 10:])
         return uvloop.run(client())
     finally:
         proc.terminate()
@@ -145,7 +149,7 @@ def payload_cost(batch: int, tokens: int, width: int, device: str, reps: int = 5
     copied to the host, encoded per sequence into a Verdict, decoded by the gateway and encoded
     again into a DraftItem, decoded by the drafter -> bytes and ms of each hop."""
     from specdec.rpc import common_pb2
-    from specdec.rpc.tensor_payload import payload_to_tensor, tensor_to_payload
+    from specdec.rpc.tensor_payload import payloads_to_tensors, tensor_to_payload
 
     aux = torch.randn(batch, tokens + 4, width, dtype=torch.bfloat16, device=device)
     path = torch.arange(tokens, device=device).expand(batch, tokens)
@@ -165,7 +169,7 @@ def payload_cost(batch: int, tokens: int, width: int, device: str, reps: int = 5
 
     copy_ms, host = timed(lambda: torch.gather(aux, 1, path[:, :, None].expand(-1, -1, width)).cpu())
     encode_ms, wire = timed(lambda: [common_pb2.TensorPayload.SerializeToString(tensor_to_payload(h)) for h in host])
-    decode_ms, _ = timed(lambda: [payload_to_tensor(common_pb2.TensorPayload.FromString(w)) for w in wire])
+    decode_ms, _ = timed(lambda: payloads_to_tensors([common_pb2.TensorPayload.FromString(w) for w in wire]))
     return {"bytes": sum(len(w) for w in wire), "copy_ms": copy_ms, "encode_ms": encode_ms, "decode_ms": decode_ms}
 
 
@@ -192,11 +196,11 @@ def main() -> None:
     print(f"bare gRPC round trip: {1e3 * echo_round_trip(False):.3f} ms; "
           f"with the worker-thread hop: {1e3 * echo_round_trip(True):.3f} ms", flush=True)
     checkpoint = make_checkpoint(Path(tempfile.mkdtemp()) / "tiny", "llama-gqa", seed=0, num_layers=1)
-    print("| batch | engine step ms | through the verifier process ms | transport ms |")
+    print("| batch | engine step ms (this process) | through the verifier process ms | transport ms |")
     print("|---|---|---|---|")
     for b in a.batch:
-        engine, remote = engine_step(checkpoint, b, a.device), verifier_round_trip(checkpoint, b, a.device)
-        print(f"| {b} | {1e3 * engine:.3f} | {1e3 * remote:.3f} | {1e3 * (remote - engine):.3f} |", flush=True)
+        engine, (remote, transport) = engine_step(checkpoint, b, a.device), verifier_round_trip(checkpoint, b, a.device)
+        print(f"| {b} | {1e3 * engine:.3f} | {1e3 * remote:.3f} | {1e3 * transport:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,27 +29,34 @@ def start_metrics(listen: str, log) -> None:
 
 
 class EngineMetrics:
-    """Updates the engine gauges after each step (cheap: host counters only)."""
+    """Updates the engine gauges after each step (cheap: host counters only; the labelled series
+    are looked up once, and the gauges are set only when the count moved)."""
 
     def __init__(self, role: str, engine) -> None:
-        self.role, self.engine = role, engine
-        self.slots = engine.table.num_slots
+        self.engine = engine
         self.slot_bytes = kv_slot_bytes(engine)
         self.opened = engine.table.opened
-        ENGINE_KV_SLOTS.labels(role, "total").set(self.slots)
+        self.active = -1
+        self.step = ENGINE_STEP.labels(role)
+        self.active_gauge, self.slots_in_use = ENGINE_ACTIVE.labels(role), ENGINE_KV_SLOTS.labels(role, "in_use")
+        self.kv_bytes, self.opened_total = ENGINE_KV_BYTES.labels(role), ENGINE_OPENED.labels(role)
+        ENGINE_KV_SLOTS.labels(role, "total").set(engine.table.num_slots)
+        self.refresh()
 
     def after_step(self, seconds: float) -> None:
-        ENGINE_STEP.labels(self.role).observe(seconds)
+        self.step.observe(seconds)
         self.refresh()
 
     def refresh(self) -> None:
         active = len(self.engine.table)
-        ENGINE_ACTIVE.labels(self.role).set(active)
-        ENGINE_KV_SLOTS.labels(self.role, "in_use").set(active)
-        ENGINE_KV_BYTES.labels(self.role).set(active * self.slot_bytes)
+        if active != self.active:
+            self.active = active
+            self.active_gauge.set(active)
+            self.slots_in_use.set(active)
+            self.kv_bytes.set(active * self.slot_bytes)
         opened = self.engine.table.opened
         if opened > self.opened:
-            ENGINE_OPENED.labels(self.role).inc(opened - self.opened)
+            self.opened_total.inc(opened - self.opened)
         self.opened = opened
 
 

@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from specdec.model.loader import load_model
 from specdec.model.runner import ModelRunner
-from specdec.rpc.tensor_payload import payload_to_tensor, tensor_to_payload
+from specdec.rpc import common_pb2
+from specdec.rpc.tensor_payload import payload_to_tensor, payloads_to_tensors, tensor_to_payload
 from specdec.tree import DraftTree
 from verifier_svc.engine import VerifierEngine
 from verifier_svc.servicer import VerifierServicer
@@ -105,6 +106,31 @@ def test_payload_round_trip(dtype):
     msg = tensor_to_payload(t)
     assert msg.dtype == str(dtype).removeprefix("torch.") and list(msg.shape) == [3, 10]
     assert torch.equal(payload_to_tensor(msg), t)
+
+
+def test_a_steps_payloads_decode_together():
+    """The drafter decodes a step's payloads at once (one buffer, split by rows): each comes back
+    itself, in order, empty and strided ones included; other widths and dtypes one by one."""
+    base = torch.randn(4, 5, 12).to(torch.bfloat16)
+    rows = [base[0, :3], base[1, :0], base[2, :5], base[:, 3], base[3, 1:2]]   # base[:, 3]: not contiguous
+    mixed = [torch.randn(2, 3), torch.randn(1, 3).to(torch.float16), torch.randn(2, 2, 3), base[0, :2, :4]]
+    for group in (rows, rows[::-1], rows[2:3], mixed, rows + mixed, [rows[0], torch.randn(2, 12)]):
+        decoded = payloads_to_tensors([tensor_to_payload(t) for t in group])
+        assert len(decoded) == len(group)
+        assert all(d.dtype == t.dtype and torch.equal(d, t) for d, t in zip(decoded, group))
+    decoded = payloads_to_tensors([tensor_to_payload(rows[0]), tensor_to_payload(rows[2])])
+    decoded[0].zero_()  # writable, and a copy: the other rows do not change
+    assert torch.equal(decoded[1], rows[2])
+
+
+@pytest.mark.parametrize("bad, complaint", [
+    (common_pb2.TensorPayload(dtype="int8", shape=[1], data=b"x"), "dtype 'int8'"),
+    (common_pb2.TensorPayload(dtype="float32", shape=[2, 3], data=bytes(20)), "needs 24 bytes, it has 20"),
+])
+def test_a_malformed_payload_is_refused_with_the_reason(bad, complaint):
+    good = tensor_to_payload(torch.zeros(1, 3))
+    with pytest.raises(ValueError, match=complaint):
+        payloads_to_tensors([good, bad])
 
 
 def test_servicer_ships_the_hidden_states(checkpoints):
