@@ -16,7 +16,7 @@ from pathlib import Path
 HEAD_DIR = Path(__file__).parent / "assets" / "smollm2-135m-eagle3"
 HEAD_SHA256 = "411c9dd6ac870d721d31c389cc99c9b860e9915d6525bb4feafeb64a3fabad12"
 TRAIN_COMMAND = ("specdec train-drafter --device cuda --seed 0 --gen-batch 512 --max-new-tokens 384 "
-                 "--self-instruct 2000 --epochs 24 --out specdec/assets/smollm2-135m-eagle3")
+                 "--self-instruct 2000 --self-instruct-temperature 0 --epochs 24 --out specdec/assets/smollm2-135m-eagle3")
 
 
 @cache

@@ -5,6 +5,7 @@ subject with training; the saved head loads in the published layout and reports 
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
@@ -20,7 +21,9 @@ from specdec.model.batch import ForwardBatch, causal_region
 from specdec.model.eagle3 import load_eagle3
 from specdec.model.kv_cache import KVCache
 from specdec.model.spec import ModelSpec
-from specdec.train.distill import Sample, clean_question, self_distill
+from specdec.train import distill, trainer
+from specdec.train.cli import add_arguments, config_from_args
+from specdec.train.distill import Sample, clean_question, self_distill, self_instruct
 from specdec.train.prompts import TOPICS, _items, build_prompts
 from specdec.train.trainer import TrainDrafterConfig, _fit, _new_head, evaluate
 from specdec.train.ttt import Labels, chain_stats, ttt_forward, ttt_loss
@@ -151,6 +154,32 @@ def test_self_instruct_keeps_the_question_and_drops_replies():
     assert clean_question("I'm ready to assist. What's your request?") is None    # answered as the assistant
     assert clean_question("Photosynthesis turns light into sugar.") is None       # not a question
     assert clean_question("Why?") is None                                         # too short to teach anything
+
+
+def test_self_instruct_samples_its_questions(checkpoints, monkeypatch):
+    """Greedy, a request asked twice writes the same question twice, so the questions stop at the
+    distinct requests (templates x topics); sampled (the default), repeats bring new ones, the same
+    seed the same ones."""
+    target_dir = checkpoints["llama-gqa"]
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    monkeypatch.setattr(distill, "clean_question", lambda text: text or None)   # random weights write no questions
+    requests = ["Write one question about cats.", "Write one question about dogs."] * 4
+    assert len(self_instruct(model, tok, requests, 3, temperature=0.0)) <= 2
+    sampled = self_instruct(model, tok, requests, 3, temperature=1.0, seed=1)
+    assert len(sampled) > 2
+    assert self_instruct(model, tok, requests, 3, temperature=1.0, seed=1) == sampled
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = ["--out", "x"]
+    assert config_from_args(parser.parse_args(args), target_dir).self_instruct_temperature == 1.0
+    greedy = parser.parse_args(args + ["--self-instruct-temperature", "0"])
+    assert config_from_args(greedy, target_dir).self_instruct_temperature == 0.0
+    asked = []   # and training asks for its questions at the configured temperature
+    monkeypatch.setattr(trainer, "self_instruct", lambda *a: asked.append(a[3:]) or [])
+    trainer._sequences(TrainDrafterConfig(target_dir, Path("x"), prompts=0, heldout=0, self_instruct=3,
+                                          self_instruct_temperature=0.7, seed=4), model, tok)
+    assert asked == [(TrainDrafterConfig.gen_batch, 0.7, 4)]
 
 
 def test_prompt_set_is_diverse_reproducible_and_held_out_by_subject():

@@ -23,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=None, help="built-in training prompts to answer (default: all)")
     p.add_argument("--self-instruct", type=int, default=d.self_instruct,
                    help="prompts the target writes itself (self-instruct); 0 to skip")
+    p.add_argument("--self-instruct-temperature", type=float, default=d.self_instruct_temperature,
+                   help="sampling temperature of those questions (nucleus 0.95; their answers stay greedy). 0: "
+                        "greedy, which repeats itself: at most one question per request template and topic")
     p.add_argument("--heldout", type=int, default=d.heldout, help="held-out prompts for the acceptance report")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="longest self-distilled answer")
     p.add_argument("--samples-per-prompt", type=int, default=d.samples_per_prompt,
@@ -49,7 +52,8 @@ def config_from_args(a: argparse.Namespace, target: Path) -> TrainDrafterConfig:
     return TrainDrafterConfig(
         target=target, out=Path(a.out), device=a.device, seed=a.seed, data=Path(a.data) if a.data else None,
         save_data=Path(a.save_data) if a.save_data else None, text=tuple(Path(t) for t in a.text),
-        prompts=a.prompts, self_instruct=a.self_instruct, heldout=a.heldout, max_new_tokens=a.max_new_tokens,
+        prompts=a.prompts, self_instruct=a.self_instruct,
+        self_instruct_temperature=a.self_instruct_temperature, heldout=a.heldout, max_new_tokens=a.max_new_tokens,
         samples_per_prompt=a.samples_per_prompt, temperature=a.temperature, gen_batch=a.gen_batch,
         draft_vocab=a.draft_vocab, aux_layers=aux, ttt_steps=a.ttt_steps, root_weight=a.root_weight, epochs=a.epochs,
         lr=a.lr, batch_tokens=a.batch_tokens, max_len=a.max_len, eval_k=a.eval_k, save_dtype=a.save_dtype)

@@ -83,10 +83,15 @@ def self_distill(model, tokenizer, prompts: list[str], max_new_tokens: int, batc
     return samples
 
 
-def self_instruct(model, tokenizer, requests: list[str], batch_size: int) -> list[str]:
-    """The target writes user prompts: its answers to `requests`, cleaned and de-duplicated."""
+def self_instruct(model, tokenizer, requests: list[str], batch_size: int, temperature: float = 0.0,
+                  seed: int = 0) -> list[str]:
+    """The target writes user prompts: its answers to `requests`, cleaned and de-duplicated.
+    Greedy (temperature 0) answers each distinct request once, whatever the number of requests
+    (the request templates x training topics cap the questions at a few hundred); sampled, every
+    request can bring a new question. Only the questions are sampled: their answers, which the
+    head learns from, are the target's own greedy ones."""
     ids = [chat_ids(tokenizer, r) for r in requests]
-    written = answers(model, tokenizer, ids, 48, batch_size, "writing prompts (self-instruct)")
+    written = answers(model, tokenizer, ids, 48, batch_size, "writing prompts (self-instruct)", temperature, seed)
     questions = (clean_question(tokenizer.decode(a, skip_special_tokens=True)) for a in written)
     return list(dict.fromkeys(q for q in questions if q))
 

@@ -40,6 +40,7 @@ class TrainDrafterConfig:
     text: tuple[Path, ...] = ()         # local text files, learned at every position
     prompts: int | None = None          # how many built-in training prompts to answer (None: all)
     self_instruct: int = 2000           # prompts the target writes itself (before de-duplication)
+    self_instruct_temperature: float = 1.0   # of those questions (0: greedy, one question per distinct request)
     heldout: int = 200                  # held-out prompts answered for the acceptance report
     max_new_tokens: int = 384
     samples_per_prompt: int = 1         # answers per training prompt: the greedy one, then sampled ones
@@ -106,7 +107,8 @@ def _sequences(cfg: TrainDrafterConfig, target, tokenizer) -> tuple[list[Sample]
     prompt_set = build_prompts(cfg.seed)
     prompts = prompt_set.train[:cfg.prompts] if cfg.prompts is not None else list(prompt_set.train)
     if cfg.self_instruct:
-        prompts += self_instruct(target, tokenizer, self_instruct_requests(cfg.seed, cfg.self_instruct), cfg.gen_batch)
+        requests = self_instruct_requests(cfg.seed, cfg.self_instruct)
+        prompts += self_instruct(target, tokenizer, requests, cfg.gen_batch, cfg.self_instruct_temperature, cfg.seed)
     train = self_distill(target, tokenizer, prompts, cfg.max_new_tokens, cfg.gen_batch, cfg.samples_per_prompt,
                          cfg.temperature, cfg.seed)
     train += text_samples(tokenizer, list(cfg.text), cfg.max_len)
