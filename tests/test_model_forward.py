@@ -99,23 +99,32 @@ def test_aux_hidden_states_equal_hf_hidden_states(fuse, checkpoints, tmp_path):
     torch.testing.assert_close(ours.model.norm(aux[..., 2 * h:]), ref.hidden_states[-1], rtol=0, atol=1e-9)
 
 
-def test_skinny_linear_equals_linear_at_every_row_count(checkpoints):
-    """The CPU's weight @ x^T path for 2-5 rows computes the same Linear (bias included, any
-    leading shape), and load_model puts it on every projection on the CPU, tied weights still tied."""
+def test_skinny_linear_equals_linear_at_every_row_count(checkpoints, monkeypatch):
+    """The CPU's weight @ x^T path for 2-5 float32 rows computes the same Linear (bias included,
+    any leading shape), other row counts and dtypes take F.linear, and load_model puts it on every
+    projection on the CPU, tied weights still tied."""
     from torch.nn import functional as F
 
     from specdec.model.layers import SKINNY_ROWS, SkinnyLinear, replace_linears
 
     torch.manual_seed(0)
+    real_mm, transposed = torch.mm, []
+    monkeypatch.setattr(torch, "mm", lambda a, b: transposed.append(a.shape[0] == 40) or real_mm(a, b))
     for bias in (False, True):
-        plain = torch.nn.Linear(24, 40, bias=bias).double()
+        plain = torch.nn.Linear(24, 40, bias=bias)
         module = torch.nn.Sequential(plain)
         replace_linears(module, SkinnyLinear)
         skinny = module[0]
         assert type(skinny) is SkinnyLinear and skinny.weight is plain.weight
         for shape in [(1, 1), (1, 2), (1, 5), (2, 2), (3, 1), (1, 6), (4, 4), (7, 9)]:
-            x = torch.randn(*shape, 24, dtype=torch.float64)
-            torch.testing.assert_close(skinny(x), F.linear(x, plain.weight, plain.bias), rtol=1e-12, atol=1e-12)
+            x = torch.randn(*shape, 24)
+            transposed.clear()
+            torch.testing.assert_close(skinny(x), F.linear(x, plain.weight, plain.bias), rtol=1e-5, atol=1e-5)
+            assert transposed == ([True] if shape[0] * shape[1] in SKINNY_ROWS else []), shape
+            transposed.clear()
+            skinny.to(torch.bfloat16)(x.to(torch.bfloat16))   # bfloat16: F.linear at every row count
+            assert transposed == [], shape
+            skinny.float()
     assert 2 in SKINNY_ROWS and 5 in SKINNY_ROWS and 1 not in SKINNY_ROWS
     model = load_model(checkpoints["llama-tied"], torch.float32, torch.device("cpu"))
     assert all(type(m) is not torch.nn.Linear for m in model.modules())

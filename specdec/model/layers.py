@@ -95,11 +95,13 @@ class SkinnyLinear(nn.Linear):
     dev VM (about as if it read the weight once per row), weight @ x^T about one row: SmolLM2's
     forward of 2 / 3 / 5 tokens 100 / 117 / 75 ms -> 50 / 55 / 61 ms, one token 60 ms either way
     (medians of 14 interleaved runs). From 9 rows F.linear is faster again. Same parameters;
-    rounding may differ in the last bits."""
+    rounding may differ in the last bits. Float32 only: in bfloat16 (AVX-512 BF16) F.linear reads
+    the weight once whatever the rows and weight @ x^T is the slower one (SmolLM2's 3- / 5-token
+    verify step 65 / 67 ms with it, 49 / 54 ms without; one token 48 ms)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows not in SKINNY_ROWS:
+        if rows not in SKINNY_ROWS or x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
         y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()   # [rows, out]
         if self.bias is not None:
