@@ -86,24 +86,29 @@ class InvariantLinear(nn.Linear):
         return invariant_linear(x, self.weight, self.bias)
 
 
-SKINNY_ROWS = range(2, 6)
+SKINNY_ROWS = range(1, 6)
 
 
 class SkinnyLinear(nn.Linear):
-    """A Linear for the CPU that multiplies 2-5 rows (a verify step's root and drafts at batch 1)
-    as weight @ x^T. For so few rows MKL's x @ weight^T costs 1.3-2x one row on the 2-core AVX-512
-    dev VM (about as if it read the weight once per row), weight @ x^T about one row: SmolLM2's
-    forward of 2 / 3 / 5 tokens 100 / 117 / 75 ms -> 50 / 55 / 61 ms, one token 60 ms either way
-    (medians of 14 interleaved runs). From 9 rows F.linear is faster again. Same parameters;
-    rounding may differ in the last bits. Float32 only: in bfloat16 (AVX-512 BF16) F.linear reads
-    the weight once whatever the rows and weight @ x^T is the slower one (SmolLM2's 3- / 5-token
-    verify step 65 / 67 ms with it, 49 / 54 ms without; one token 48 ms)."""
+    """A Linear for the CPU that multiplies 1-5 float32 rows (a decode step, or a verify step's
+    root and drafts, at batch 1) as weight @ x^T, one row as two. MKL on the 2-core AVX-512 dev VM
+    multiplies so few rows badly the usual way: x @ weight^T at 2-5 rows costs 1.3-2x one row
+    (about as if it read the weight once per row), and one row (its gemv) streams the weight at
+    two thirds of the speed of weight @ x^T with two columns (SmolLM2's 30 layers + lm_head, cold
+    weights: 45 ms as one row, 30 ms as two). SmolLM2's forward of 1 / 2 / 3 / 5 tokens: 55 / 100 /
+    117 / 75 ms the usual way; 43 ms for 2 tokens this way. From 9 rows F.linear is faster again.
+    Same parameters; rounding may differ in the last bits. Float32 only: in bfloat16 (AVX-512 BF16)
+    F.linear reads the weight once whatever the rows and weight @ x^T is the slower one (SmolLM2's
+    3- / 5-token verify step 65 / 67 ms with it, 49 / 54 ms without; one token 48 ms)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if rows not in SKINNY_ROWS or x.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
-        y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()   # [rows, out]
+        flat = x.reshape(rows, x.shape[-1])
+        if rows == 1:   # as two columns: MKL's two-column gemm outruns its gemv (see above)
+            flat = flat.expand(2, -1).contiguous()
+        y = torch.mm(self.weight, flat.t())[:, :rows].t().contiguous()   # [rows, out]
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], y.shape[-1])
