@@ -150,6 +150,9 @@ def test_self_instruct_keeps_the_question_and_drops_replies():
     assert clean_question('A curious person might ask: "How do black holes form?" It is a good one.') == \
         "How do black holes form?"
     assert clean_question("Question: Why is the sky blue?") == "Why is the sky blue?"
+    assert clean_question('They might ask: "Question: How can the UN improve its work?"') == \
+        "How can the UN improve its work?"
+    assert clean_question("What a wonderful question! I'm here to help. What would you like to ask?") is None
     assert clean_question("How do volcanoes erupt?\nThey erupt when magma rises.") == "How do volcanoes erupt?"
     assert clean_question("I'm ready to assist. What's your request?") is None    # answered as the assistant
     assert clean_question("Photosynthesis turns light into sugar.") is None       # not a question
@@ -172,7 +175,7 @@ def test_self_instruct_samples_its_questions(checkpoints, monkeypatch):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = ["--out", "x"]
-    assert config_from_args(parser.parse_args(args), target_dir).self_instruct_temperature == 1.0
+    assert config_from_args(parser.parse_args(args), target_dir).self_instruct_temperature == 0.8
     greedy = parser.parse_args(args + ["--self-instruct-temperature", "0"])
     assert config_from_args(greedy, target_dir).self_instruct_temperature == 0.0
     asked = []   # and training asks for its questions at the configured temperature

@@ -40,7 +40,7 @@ class TrainDrafterConfig:
     text: tuple[Path, ...] = ()         # local text files, learned at every position
     prompts: int | None = None          # how many built-in training prompts to answer (None: all)
     self_instruct: int = 2000           # prompts the target writes itself (before de-duplication)
-    self_instruct_temperature: float = 1.0   # of those questions (0: greedy, one question per distinct request)
+    self_instruct_temperature: float = 0.8   # of those questions (0: greedy, one question per distinct request)
     heldout: int = 200                  # held-out prompts answered for the acceptance report
     max_new_tokens: int = 384
     samples_per_prompt: int = 1         # answers per training prompt: the greedy one, then sampled ones
