@@ -150,9 +150,6 @@ def test_self_instruct_keeps_the_question_and_drops_replies():
     assert clean_question('A curious person might ask: "How do black holes form?" It is a good one.') == \
         "How do black holes form?"
     assert clean_question("Question: Why is the sky blue?") == "Why is the sky blue?"
-    assert clean_question('They might ask: "Question: How can the UN improve its work?"') == \
-        "How can the UN improve its work?"
-    assert clean_question("What a wonderful question! I'm here to help. What would you like to ask?") is None
     assert clean_question("How do volcanoes erupt?\nThey erupt when magma rises.") == "How do volcanoes erupt?"
     assert clean_question("I'm ready to assist. What's your request?") is None    # answered as the assistant
     assert clean_question("Photosynthesis turns light into sugar.") is None       # not a question
