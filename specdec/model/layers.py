@@ -95,8 +95,9 @@ class SkinnyLinear(nn.Linear):
     multiplies so few rows badly the usual way: x @ weight^T at 2-5 rows costs 1.3-2x one row
     (about as if it read the weight once per row), and one row (its gemv) streams the weight at
     two thirds of the speed of weight @ x^T with two columns (SmolLM2's 30 layers + lm_head, cold
-    weights: 45 ms as one row, 30 ms as two). SmolLM2's forward of 1 / 2 / 3 / 5 tokens: 55 / 100 /
-    117 / 75 ms the usual way; 43 ms for 2 tokens this way. From 9 rows F.linear is faster again.
+    weights: 45 ms as one row, 30 ms as two). SmolLM2's verify step of one token: 55 ms the usual
+    way, 43 ms this way; of 2 / 3 / 5 tokens: 100 / 117 / 75 ms the usual way, 50 / 55 / 61 ms this
+    way (two threads, when it was measured). From 9 rows F.linear is faster again.
     Same parameters; rounding may differ in the last bits. Float32 only: in bfloat16 (AVX-512 BF16)
     F.linear reads the weight once whatever the rows and weight @ x^T is the slower one (SmolLM2's
     3- / 5-token verify step 65 / 67 ms with it, 49 / 54 ms without; one token 48 ms)."""
