@@ -156,6 +156,8 @@ def main() -> None:
                    help="start the (EAGLE-3) drafter with --hedge-predrafts: overlap pre-drafts also for each "
                         "earlier rejection")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--log-dir", default=None, help="keep the services' logs here (SPECDEC_LOG_LEVEL=debug adds auto's "
+                                                   "choices, expected and measured step times)")
     a = p.parse_args()
     for name in a.configs:
         try:
@@ -193,7 +195,10 @@ def main() -> None:
         prompts = [tok(t)["input_ids"] for t in texts]
     threads = [] if a.cpu_threads is None else ["--cpu-threads", str(a.cpu_threads)]
     metrics = f"127.0.0.1:{free_port()}"
+    if a.log_dir:
+        Path(a.log_dir).mkdir(parents=True, exist_ok=True)
     cluster = Cluster(target, draft, device=a.device, dtype=dtype, extra=["--max-sequences", "64"],
+                      log_dir=Path(a.log_dir) if a.log_dir else None,
                       gateway_extra=["--metrics-listen", metrics],
                       drafter_extra=drafter_extra + threads + (["--hedge-predrafts"] if a.hedge_predrafts else []),
                       verifier_extra=verifier_extra + threads).start()
