@@ -1,6 +1,6 @@
 """Judging half-precision outputs against a float32 reference: where a half-precision greedy
 decode may legitimately differ from another one (a near-tie of the fp32 logits, i.e. numerics)
-and where it may not (a logic bug). Used by tests/test_e2e_bf16_cuda.py; pure torch, no CUDA.
+and where it may not (a logic bug). Used by tests/half_precision_cluster.py; pure torch, no CUDA.
 
 The rule: a greedy decoder computing in bf16 emits, after a prefix, a token whose exact (fp32)
 logit is within the bf16 noise of the fp32 maximum. Two such decoders (two modes of the server)
