@@ -54,6 +54,7 @@ class AutoController:
         self.plans: dict[bool, CachedPlan] = {}   # by whether overlap is allowed
         self.step_plans: list[tuple] = []    # this step's (policy, plan, other sequences)
         self.steps_seen = 0
+        self.catching_up = False   # this step's drafter also takes in tokens committed while a request did not draft
 
     def _policy(self, overlap_allowed: bool) -> AutoPolicy | CyclingPolicy | None:
         if self.costs is None:
@@ -123,6 +124,7 @@ class AutoController:
         """prefilling: the step also prefills prompts (its time will not be measured), so it runs
         only choices already measured at this batch size (AutoPolicy.plan's explore=False)."""
         self.step_plans = []
+        self.catching_up = False
         self._flush_verdicts()
         settled = self.hidden_states and self.settled_off()
         if settled:
@@ -142,6 +144,13 @@ class AutoController:
             if group:
                 self._plan_group(group, overlap_allowed, len(continuing) - len(group), width, fixed_tokens,
                                  prefilling)
+        # A request that drafts after steps without (a probe after a spell off, the first step after
+        # its prompt) has the drafter take in every token committed meanwhile: a one-off cost (on a
+        # CPU a chain k=1 step went 51 -> 63-91 ms) that must not be read as the choice's step time
+        # (observe_step). It was: the probes' slow steps priced chain k=1 above off, so auto stayed
+        # off and parked every later request.
+        self.catching_up = any(len(r.tokens) - r.drafter_len > step_width(r.settings, r.mode)
+                               for r in continuing if r.mode != Mode.OFF and r.draft is None)
 
     def _plan_group(self, group: list[ActiveRequest], overlap_allowed: bool, others: int, other_width: int,
                     other_tokens: float, prefilling: bool) -> None:
@@ -248,18 +257,22 @@ class AutoController:
             self.book.observe_many(ids, family, np.array(depths), np.array(accepts))
         self.pending.clear()
 
-    def observe_step(self, seconds: float) -> None:
+    def observe_step(self, seconds: float, draft_seconds: float = 0.0) -> None:
         """The step's wall time after its plan (drafts, verify, pre-drafts, the verdicts applied),
         when one plan ran for every sequence of it (the scheduler leaves out steps that also
-        prefilled). The first few steps of the gateway's life are not used: they also pay for
-        opening streams and first allocations."""
+        prefilled); draft_seconds: the round trip of its drafts before the verify. The first few
+        steps of the gateway's life are not used: they also pay for opening streams and first
+        allocations. Where a drafter caught up (see `plan`), the step's drafts count as the
+        profile prices them, so the rest of the step (the verify, the hops) is still measured."""
         self.steps_seen += 1
         if len(self.step_plans) == 1 and self.steps_seen > WARMUP_STEPS:
             policy, plan, others = self.step_plans[0]
             if not others and isinstance(policy, AutoPolicy):
+                if self.catching_up:
+                    seconds += self.costs.draft(len(plan.speculating), plan.choice.draft_shape) - draft_seconds
                 # What the policy expected of this step next to what it took (SPECDEC_LOG_LEVEL=debug).
                 self.log.debug("auto step", choice=plan.choice.name, batch=plan.batch,
-                               speculating=len(plan.speculating), probe=plan.probe,
+                               speculating=len(plan.speculating), probe=plan.probe, caught_up=self.catching_up,
                                model_ms=round(plan.model_seconds * 1e3, 2),
                                expected_ms=round(plan.expected_seconds * 1e3, 2),
                                measured_ms=round(seconds * 1e3, 2), expected_tokens=round(plan.expected_tokens, 2))
