@@ -42,16 +42,26 @@ class Rates:
         """Per-position rates [MAX_POSITIONS], each shrunk towards `prior` by `weight` pseudo-counts."""
         return (self.accepted + weight * prior) / (self.tried + weight)
 
-    def pooled(self, prior: np.ndarray, weight: float, ucb: float) -> np.ndarray:
+    def pooled(self, prior: np.ndarray, weight: float, ucb: float, per_position: bool = False) -> np.ndarray:
         """The drafter's rates: each position shrunk towards the family's rate over all positions
         (itself shrunk towards `prior`), so a deep position seen a few times is not judged on
         them alone (a draft right 80% of the time at position 1 is not assumed 40% at position 2
-        after one miss there); plus `ucb` standard errors, so a family measured on a few unlucky
-        verdicts still looks good enough to be tried again, until its figures are sure."""
-        overall = (self.accepted.sum() + float(prior.mean())) / (self.tried.sum() + 1.0)
+        after one miss there); plus `ucb` standard errors of the family's figure, so a family
+        measured on a few unlucky verdicts still looks good enough to be tried again, until its
+        figures are sure. One error for the family, not one per position: per-position errors
+        compound along a chain (the deep positions, tried least, the most), and on the H200
+        (a = 0.8, C = 1) auto then expected 5.6-5.8 tokens of a chain of 8 that commits 4.3, and
+        ran deep chains and trees at 0.92 of the chain of 4 it should have kept. per_position: one
+        error per position instead, the optimistic figure a challenger is priced with."""
+        tried = self.tried.sum()
+        overall = (self.accepted.sum() + float(prior.mean())) / (tried + 1.0)
         n = self.tried + weight
         rates = (self.accepted + weight * overall) / n
-        return np.minimum(rates + ucb * np.sqrt(rates * (1.0 - rates) / n), 0.99)
+        if per_position:
+            error = np.sqrt(rates * (1.0 - rates) / n)
+        else:
+            error = np.sqrt(overall * (1.0 - overall) / (tried + weight))
+        return np.minimum(rates + ucb * error, 0.99)
 
     @property
     def observations(self) -> int:
@@ -172,17 +182,18 @@ class AcceptanceBook:
         own = self.drafter.get(family)
         return own.observations if own is not None else 0
 
-    def drafter_rates(self, family: str) -> np.ndarray:
+    def drafter_rates(self, family: str, optimistic: bool = False) -> np.ndarray:
+        """optimistic: with per-position errors (Rates.pooled), for pricing challengers."""
         chain = self.drafter.get("chain")
         untried = np.full(MAX_POSITIONS, UNTRIED_RATE)
         reference = chain.pooled(untried, self.pool_weight, 0.0) if chain and chain.observations else None
         prior = Rates.unexplored(reference if family != "chain" else None, self.optimism)
         own = self.drafter.get(family)
-        return own.pooled(prior, self.pool_weight, self.ucb) if own is not None else prior
+        return own.pooled(prior, self.pool_weight, self.ucb, optimistic) if own is not None else prior
 
-    def request_rates(self, seq_ids: list[str], family: str) -> np.ndarray:
+    def request_rates(self, seq_ids: list[str], family: str, optimistic: bool = False) -> np.ndarray:
         """[len(seq_ids), MAX_POSITIONS]: each request's rates for `family` (one vectorised shrink)."""
-        prior = self.drafter_rates(family)
+        prior = self.drafter_rates(family, optimistic)
         table = self.requests.get(family)
         if table is None:
             return np.broadcast_to(prior, (len(seq_ids), MAX_POSITIONS)).copy()

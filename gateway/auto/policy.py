@@ -16,7 +16,8 @@ overlap pre-draft is usable: the measured share of pre-drafts used after drafts 
 (a hedging drafter's hedges count), until then that of a whole chain accepted; and the costs are the services'
 start-up profiles (gateway/auto/costs.py) times a calibration: measured / modelled step time per
 choice and batch bucket, which carries what the profiles cannot see (gRPC and Python on three hops,
-contention on a shared GPU). A request speculates only while its expected gain pays for its share of
+contention on a shared GPU). Each choice's time also carries the expected surcharge of prompts
+arriving (gateway/auto/admissions.py): a step that commits more tokens admits one more often. A request speculates only while its expected gain pays for its share of
 the draft step. Speculation must beat off by `speculation_margin`: the best of several noisy
 estimates is more often overestimated than not, and a speculative step has costs no step time
 shows (requests that end at different steps leave small batches behind, prompts that arrive
@@ -26,9 +27,9 @@ choice unless another is `switch_margin` better, so it does not flap between nea
 A new drafter is first measured with cheap probes (one request drafts one token); when
 speculation is off the policy still probes now and then, the interval doubling while probes keep
 losing, so a rising acceptance is noticed; and now and then a close rival from another acceptance
-family (a tree against a chain) runs one step, so a family is not abandoned on a few unlucky
-verdicts or on one slow step of a sibling (rivals are priced with StepCalibration's optimistic
-figures).
+family (a tree against a chain; the family challenged longest ago first) runs one step, so a family
+is not abandoned on a few unlucky verdicts or on one slow step of a sibling (rivals are priced with
+per-position acceptance errors and StepCalibration's optimistic figures).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from functools import cached_property
 import numpy as np
 
 from gateway.auto.acceptance import AcceptanceBook
+from gateway.auto.admissions import AdmissionCosts
 from gateway.auto.costs import CostModel, StepCalibration
 from gateway.request import Mode
 from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, chain_shape, predraft_shape, tree_shape
@@ -113,30 +115,37 @@ class Plan:
     batch: int = 0
     model_seconds: float = 0.0      # the step time the cost model predicts, before calibration
     expected_tokens: float = 0.0    # tokens the batch is expected to commit
+    seconds: float = 0.0            # the calibrated time of a clean step (one that admits no prompt)
+    surcharge: float = 0.0          # expected seconds added by prompts arriving (gateway/auto/admissions.py)
 
     @property
     def expected_seconds(self) -> float:
-        """The calibrated step time the choice was scored with."""
-        return self.expected_tokens / self.tokens_per_second if self.tokens_per_second > 0 else 0.0
+        """The step time the choice was scored with: the clean step and the expected surcharge."""
+        return self.seconds + self.surcharge
 
 
 class AutoPolicy:
     def __init__(self, costs: CostModel, book: AcceptanceBook, choices: list[Choice], switch_margin: float = 0.03,
                  speculation_margin: float = 0.05,
                  probe_start: int = 16, probe_max: int = 1024, min_observations: int = 5,
-                 challenge_every: int = 32, challenge_within: float = 0.25, min_measured: int = 3) -> None:
+                 challenge_every: int = 32, challenge_within: float = 0.25, min_measured: int = 3,
+                 admissions: AdmissionCosts | None = None) -> None:
         """probe_start, probe_max: steps off between probes, first and at most (each `plan` call
         counts its `steps`);
         min_observations: verdicts the drafter needs before a plan trusts its acceptance (until
         then each plan is a probe); every `challenge_every` plans the best choice of another
         acceptance family, if predicted within `challenge_within` of the best, runs one step, so
         a family that looked worse after a few unlucky verdicts is measured again; min_measured:
-        measured steps that make a choice's step time at a batch size its own (not borrowed)."""
+        measured steps that make a choice's step time at a batch size its own (not borrowed);
+        admissions: what arriving prompts add to a step (the controller feeds it)."""
         self.costs, self.book, self.choices = costs, book, choices
+        self.admissions = admissions or AdmissionCosts()
         self.calibration = StepCalibration()
         self.min_observations, self.min_measured = min_observations, min_measured
         self.challenge_every, self.challenge_within = challenge_every, challenge_within
         self.plans_since_challenge = 0
+        self.challenges = 0
+        self.last_challenged: dict[str, int] = {}   # family -> the challenge that last ran it
         self.switch_margin, self.speculation_margin = switch_margin, speculation_margin
         self.current = OFF
         self.probe_start, self.probe_max = probe_start, probe_max
@@ -174,7 +183,13 @@ class AutoPolicy:
                                               optimistic=True)
                       if p.tokens_per_second >= (1 - self.challenge_within) * best.tokens_per_second]
             if rivals:   # one step, not kept (like a probe)
-                return dataclasses.replace(max(rivals, key=lambda p: p.tokens_per_second), probe=True)
+                # The family challenged longest ago goes first, so each close family gets its turns
+                # (the best rival alone, a sibling tree say, could keep a chain's unlucky start
+                # from ever being corrected).
+                rival = max(rivals, key=lambda p: (-self.last_challenged.get(p.choice.family, -1), p.tokens_per_second))
+                self.challenges += 1
+                self.last_challenged[rival.choice.family] = self.challenges
+                return dataclasses.replace(rival, probe=True)
         if best.choice == OFF and seq_ids and len(self.choices) > 1:
             self.steps_off += steps
             if self.steps_off >= self.probe_interval and probe is not None:   # look again, cheaply
@@ -201,7 +216,7 @@ class AutoPolicy:
         # their running sums (expected accepted drafts of a depth-j draft): each choice reads a column.
         prefix = {}
         for f in {c.family for c in choices if c != OFF}:
-            accepted_through = np.cumprod(self.book.request_rates(seq_ids, f), axis=1)
+            accepted_through = np.cumprod(self.book.request_rates(seq_ids, f, optimistic), axis=1)
             gains = np.cumsum(accepted_through, axis=1)
             if remaining is not None:   # the step commits one token anyway; drafts add at most the rest
                 gains = np.minimum(gains, np.maximum(remaining - 1, 0)[:, None])
@@ -256,7 +271,9 @@ class AutoPolicy:
             seconds = self.costs.verify(batch, max(1, other_width))
             calibrated = seconds * self.calibration.ratio(OFF.kind, OFF.name, OFF.width, batch)
             tokens = len(seq_ids) + other_tokens
-            return Plan(OFF, [], tokens / calibrated, batch=batch, model_seconds=seconds, expected_tokens=tokens)
+            surcharge = self.admissions.surcharge(tokens, speculating=False)
+            return Plan(OFF, [], tokens / (calibrated + surcharge), batch=batch, model_seconds=seconds,
+                        expected_tokens=tokens, seconds=calibrated, surcharge=surcharge)
         gain = prefix[0][:, c.positions - 1]                           # [n] E - 1
         full = prefix[1][:, c.positions - 1]                           # [n]
         order = np.argsort(-gain)
@@ -269,15 +286,18 @@ class AutoPolicy:
         # Speculate the requests with the largest gains first; stop where the next one's gain no
         # longer pays for its draft (the best prefix of the sorted list).
         gained = np.cumsum(gain[order])                                # [n] gain of the first i + 1
-        best = (-1.0, 0, 0.0, 0.0)                                     # (tokens/s, how many, model seconds, tokens)
+        best = (-1.0, 0, 0.0, 0.0, 0.0, 0.0)   # (tokens/s, how many, model seconds, tokens, step, surcharge)
         for n in _prefix_sizes(len(seq_ids)):
             seconds = self._seconds(c, batch, n, max(c.width, other_width), full[order[:n]] if c.overlap else None)
             tokens = len(seq_ids) + float(gained[n - 1]) + other_tokens
             floor = off + (0.0 if c.overlap else self.costs.draft(n, c.draft_shape))
-            if tokens / max(seconds * ratio, floor) > best[0]:
-                best = (tokens / max(seconds * ratio, floor), n, seconds, tokens)
-        tps, n, seconds, tokens = best
-        return Plan(c, [seq_ids[i] for i in order[:n]], tps, batch=batch, model_seconds=seconds, expected_tokens=tokens)
+            step = max(seconds * ratio, floor)
+            surcharge = self.admissions.surcharge(tokens, speculating=True)
+            if tokens / (step + surcharge) > best[0]:
+                best = (tokens / (step + surcharge), n, seconds, tokens, step, surcharge)
+        tps, n, seconds, tokens, step, surcharge = best
+        return Plan(c, [seq_ids[i] for i in order[:n]], tps, batch=batch, model_seconds=seconds, expected_tokens=tokens,
+                    seconds=step, surcharge=surcharge)
 
     def _seconds(self, c: Choice, batch: int, drafting: int, width: int, full_accept: np.ndarray | None) -> float:
         """The model's seconds for one step: the verify and what the step waits for drafting."""
