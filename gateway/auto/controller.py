@@ -18,7 +18,6 @@ import numpy as np
 import structlog
 
 from gateway.auto.acceptance import AcceptanceBook
-from gateway.auto.admissions import AdmissionCosts
 from gateway.auto.costs import CostModel, bucket
 from gateway.auto.policy import OFF, AutoPolicy, Choice, CyclingPolicy, Plan, menu
 from gateway.request import ActiveRequest, Mode, SpecSettings
@@ -45,8 +44,6 @@ class AutoController:
         self.verifier_accelerators = set(verifier_accelerators)
         self.max_draft_tokens = max_draft_tokens
         self.book = AcceptanceBook()
-        self.admissions = AdmissionCosts()
-        self.step_tokens = 0   # tokens committed by this step's verdicts so far
         self.pending: dict[str, tuple[list[str], list[int], list[int]]] = {}   # verdicts by family, not yet counted
         self.policies: dict[bool, AutoPolicy | CyclingPolicy] = {}   # by whether overlap is allowed
         self.costs: CostModel | None = None
@@ -76,8 +73,7 @@ class AutoController:
             choices = menu(self.costs, self.max_draft_tokens, overlap)
             # Probes after 64 steps off, then 128, ... up to 4096.
             self.policies[overlap_allowed] = (CyclingPolicy(choices) if self.cycle else AutoPolicy(
-                self.costs, self.book, choices, probe_start=64, probe_max=4096, min_measured=CONFIRM_MEASUREMENTS,
-                admissions=self.admissions))
+                self.costs, self.book, choices, probe_start=64, probe_max=4096, min_measured=CONFIRM_MEASUREMENTS))
         return self.policies[overlap_allowed]
 
     # ---- admission ---------------------------------------------------------------------------
@@ -255,45 +251,31 @@ class AutoController:
             accepts.append(accepted)
         if r.auto:
             r.stats.steps_by_mode[r.choice or "off"] += 1
-        self.step_tokens += accepted + 1
 
     def _flush_verdicts(self) -> None:
         for family, (ids, depths, accepts) in self.pending.items():
             self.book.observe_many(ids, family, np.array(depths), np.array(accepts))
         self.pending.clear()
 
-    def observe_step(self, seconds: float, draft_seconds: float = 0.0, admitted: int = 0,
-                     prefilling: bool = False) -> None:
-        """Every step: its wall time after its plan (drafts, verify, pre-drafts, the verdicts
-        applied); draft_seconds: the round trip of its drafts before the verify; admitted: the
-        prompts it admitted; prefilling: it also ran a prefill. The arrival rate counts every step.
-        When one plan ran for every sequence, a clean step calibrates the choice's step time, and
-        a prefilling one measures what prompts add to a step of its kind (gateway/auto/admissions.py).
-        The first few steps of the gateway's life are not used: they also pay for opening streams
-        and first allocations. Where a drafter caught up (see `plan`), the step's drafts count as
-        the profile prices them, so the rest of the step (the verify, the hops) is still measured,
-        and the difference is what a catch-up adds."""
+    def observe_step(self, seconds: float, draft_seconds: float = 0.0) -> None:
+        """The step's wall time after its plan (drafts, verify, pre-drafts, the verdicts applied),
+        when one plan ran for every sequence of it (the scheduler leaves out steps that also
+        prefilled); draft_seconds: the round trip of its drafts before the verify. The first few
+        steps of the gateway's life are not used: they also pay for opening streams and first
+        allocations. Where a drafter caught up (see `plan`), the step's drafts count as the
+        profile prices them, so the rest of the step (the verify, the hops) is still measured."""
         self.steps_seen += 1
-        self.admissions.observe_step(admitted, self.step_tokens)
-        self.step_tokens = 0
         if len(self.step_plans) == 1 and self.steps_seen > WARMUP_STEPS:
             policy, plan, others = self.step_plans[0]
             if not others and isinstance(policy, AutoPolicy):
-                speculating = plan.choice != OFF
-                if prefilling:
-                    if not plan.probe and plan.seconds > 0:
-                        self.admissions.observe_prefill(speculating, seconds - plan.seconds)
-                    return
                 if self.catching_up:
-                    extra = draft_seconds - self.costs.draft(len(plan.speculating), plan.choice.draft_shape)
-                    self.admissions.observe_catch_up(extra)
-                    seconds -= extra
+                    seconds += self.costs.draft(len(plan.speculating), plan.choice.draft_shape) - draft_seconds
                 # What the policy expected of this step next to what it took (SPECDEC_LOG_LEVEL=debug).
                 self.log.debug("auto step", choice=plan.choice.name, batch=plan.batch,
                                speculating=len(plan.speculating), probe=plan.probe, caught_up=self.catching_up,
-                               model_ms=round(plan.model_seconds * 1e3, 2), expected_ms=round(plan.seconds * 1e3, 2),
-                               surcharge_ms=round(plan.surcharge * 1e3, 2), measured_ms=round(seconds * 1e3, 2),
-                               expected_tokens=round(plan.expected_tokens, 2))
+                               model_ms=round(plan.model_seconds * 1e3, 2),
+                               expected_ms=round(plan.expected_seconds * 1e3, 2),
+                               measured_ms=round(seconds * 1e3, 2), expected_tokens=round(plan.expected_tokens, 2))
                 policy.observe_step(plan, seconds)
 
     def forget(self, r: ActiveRequest) -> None:

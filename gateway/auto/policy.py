@@ -16,8 +16,7 @@ overlap pre-draft is usable: the measured share of pre-drafts used after drafts 
 (a hedging drafter's hedges count), until then that of a whole chain accepted; and the costs are the services'
 start-up profiles (gateway/auto/costs.py) times a calibration: measured / modelled step time per
 choice and batch bucket, which carries what the profiles cannot see (gRPC and Python on three hops,
-contention on a shared GPU). Each choice's time also carries the expected surcharge of prompts
-arriving (gateway/auto/admissions.py): a step that commits more tokens admits one more often. A request speculates only while its expected gain pays for its share of
+contention on a shared GPU). A request speculates only while its expected gain pays for its share of
 the draft step. Speculation must beat off by `speculation_margin`: the best of several noisy
 estimates is more often overestimated than not, and a speculative step has costs no step time
 shows (requests that end at different steps leave small batches behind, prompts that arrive
@@ -41,7 +40,6 @@ from functools import cached_property
 import numpy as np
 
 from gateway.auto.acceptance import AcceptanceBook
-from gateway.auto.admissions import AdmissionCosts
 from gateway.auto.costs import CostModel, StepCalibration
 from gateway.request import Mode
 from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, chain_shape, predraft_shape, tree_shape
@@ -115,31 +113,26 @@ class Plan:
     batch: int = 0
     model_seconds: float = 0.0      # the step time the cost model predicts, before calibration
     expected_tokens: float = 0.0    # tokens the batch is expected to commit
-    seconds: float = 0.0            # the calibrated time of a clean step (one that admits no prompt)
-    surcharge: float = 0.0          # expected seconds added by prompts arriving (gateway/auto/admissions.py)
 
     @property
     def expected_seconds(self) -> float:
-        """The step time the choice was scored with: the clean step and the expected surcharge."""
-        return self.seconds + self.surcharge
+        """The calibrated step time the choice was scored with."""
+        return self.expected_tokens / self.tokens_per_second if self.tokens_per_second > 0 else 0.0
 
 
 class AutoPolicy:
     def __init__(self, costs: CostModel, book: AcceptanceBook, choices: list[Choice], switch_margin: float = 0.03,
                  speculation_margin: float = 0.05,
                  probe_start: int = 16, probe_max: int = 1024, min_observations: int = 5,
-                 challenge_every: int = 32, challenge_within: float = 0.25, min_measured: int = 3,
-                 admissions: AdmissionCosts | None = None) -> None:
+                 challenge_every: int = 32, challenge_within: float = 0.25, min_measured: int = 3) -> None:
         """probe_start, probe_max: steps off between probes, first and at most (each `plan` call
         counts its `steps`);
         min_observations: verdicts the drafter needs before a plan trusts its acceptance (until
         then each plan is a probe); every `challenge_every` plans the best choice of another
         acceptance family, if predicted within `challenge_within` of the best, runs one step, so
         a family that looked worse after a few unlucky verdicts is measured again; min_measured:
-        measured steps that make a choice's step time at a batch size its own (not borrowed);
-        admissions: what arriving prompts add to a step (the controller feeds it)."""
+        measured steps that make a choice's step time at a batch size its own (not borrowed)."""
         self.costs, self.book, self.choices = costs, book, choices
-        self.admissions = admissions or AdmissionCosts()
         self.calibration = StepCalibration()
         self.min_observations, self.min_measured = min_observations, min_measured
         self.challenge_every, self.challenge_within = challenge_every, challenge_within
@@ -271,9 +264,7 @@ class AutoPolicy:
             seconds = self.costs.verify(batch, max(1, other_width))
             calibrated = seconds * self.calibration.ratio(OFF.kind, OFF.name, OFF.width, batch)
             tokens = len(seq_ids) + other_tokens
-            surcharge = self.admissions.surcharge(tokens, speculating=False)
-            return Plan(OFF, [], tokens / (calibrated + surcharge), batch=batch, model_seconds=seconds,
-                        expected_tokens=tokens, seconds=calibrated, surcharge=surcharge)
+            return Plan(OFF, [], tokens / calibrated, batch=batch, model_seconds=seconds, expected_tokens=tokens)
         gain = prefix[0][:, c.positions - 1]                           # [n] E - 1
         full = prefix[1][:, c.positions - 1]                           # [n]
         order = np.argsort(-gain)
@@ -286,18 +277,15 @@ class AutoPolicy:
         # Speculate the requests with the largest gains first; stop where the next one's gain no
         # longer pays for its draft (the best prefix of the sorted list).
         gained = np.cumsum(gain[order])                                # [n] gain of the first i + 1
-        best = (-1.0, 0, 0.0, 0.0, 0.0, 0.0)   # (tokens/s, how many, model seconds, tokens, step, surcharge)
+        best = (-1.0, 0, 0.0, 0.0)                                     # (tokens/s, how many, model seconds, tokens)
         for n in _prefix_sizes(len(seq_ids)):
             seconds = self._seconds(c, batch, n, max(c.width, other_width), full[order[:n]] if c.overlap else None)
             tokens = len(seq_ids) + float(gained[n - 1]) + other_tokens
             floor = off + (0.0 if c.overlap else self.costs.draft(n, c.draft_shape))
-            step = max(seconds * ratio, floor)
-            surcharge = self.admissions.surcharge(tokens, speculating=True)
-            if tokens / (step + surcharge) > best[0]:
-                best = (tokens / (step + surcharge), n, seconds, tokens, step, surcharge)
-        tps, n, seconds, tokens, step, surcharge = best
-        return Plan(c, [seq_ids[i] for i in order[:n]], tps, batch=batch, model_seconds=seconds, expected_tokens=tokens,
-                    seconds=step, surcharge=surcharge)
+            if tokens / max(seconds * ratio, floor) > best[0]:
+                best = (tokens / max(seconds * ratio, floor), n, seconds, tokens)
+        tps, n, seconds, tokens = best
+        return Plan(c, [seq_ids[i] for i in order[:n]], tps, batch=batch, model_seconds=seconds, expected_tokens=tokens)
 
     def _seconds(self, c: Choice, batch: int, drafting: int, width: int, full_accept: np.ndarray | None) -> float:
         """The model's seconds for one step: the verify and what the step waits for drafting."""
