@@ -152,10 +152,10 @@ class Scheduler:
                                                                 self._draft_all(overlap, predraft=True))
         waited = time.perf_counter() - started   # for the drafts, then the verify (and pre-drafts)
         self._apply_verdicts(verdicts)
-        if self.auto is not None and continuing and not prefilling:   # (a prefill would blur the step's cost)
+        if self.auto is not None and continuing:
             # The whole step after the plan: what the gateway does per step for a choice (draft
             # messages, tree packing, verdicts, emission) counts as much as the services' time.
-            self.auto.observe_step(time.perf_counter() - started, draft[0])
+            self.auto.observe_step(time.perf_counter() - started, draft[0], prefilling)
         self.tally.flush(time.perf_counter() - t0, waited, (verify_rtt, verdicts.engine_seconds), draft,
                          predraft[0])
 

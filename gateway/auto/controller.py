@@ -257,25 +257,31 @@ class AutoController:
             self.book.observe_many(ids, family, np.array(depths), np.array(accepts))
         self.pending.clear()
 
-    def observe_step(self, seconds: float, draft_seconds: float = 0.0) -> None:
+    def observe_step(self, seconds: float, draft_seconds: float = 0.0, prefilling: bool = False) -> None:
         """The step's wall time after its plan (drafts, verify, pre-drafts, the verdicts applied),
-        when one plan ran for every sequence of it (the scheduler leaves out steps that also
-        prefilled); draft_seconds: the round trip of its drafts before the verify. The first few
-        steps of the gateway's life are not used: they also pay for opening streams and first
-        allocations. Where a drafter caught up (see `plan`), the step's drafts count as the
-        profile prices them, so the rest of the step (the verify, the hops) is still measured."""
+        when one plan ran for every sequence of it; draft_seconds: the round trip of its drafts
+        before the verify; prefilling: it also prefilled prompts. Every such step tells the policy
+        what its kind's steps really take (AutoPolicy.observe_overhead); a clean one (no prefill)
+        also calibrates the choice's step time. The first few steps of the gateway's life are not
+        used: they also pay for opening streams and first allocations. Where a drafter caught up
+        (see `plan`), the calibration counts the step's drafts as the profile prices them, so the
+        rest of the step (the verify, the hops) is still measured; the overhead keeps them whole
+        unless the step was a probe (a prompt's catch-up comes with every request that drafts)."""
         self.steps_seen += 1
         if len(self.step_plans) == 1 and self.steps_seen > WARMUP_STEPS:
             policy, plan, others = self.step_plans[0]
             if not others and isinstance(policy, AutoPolicy):
+                policy.observe_overhead(plan, seconds)
+                if prefilling:
+                    return
                 if self.catching_up:
                     seconds += self.costs.draft(len(plan.speculating), plan.choice.draft_shape) - draft_seconds
                 # What the policy expected of this step next to what it took (SPECDEC_LOG_LEVEL=debug).
                 self.log.debug("auto step", choice=plan.choice.name, batch=plan.batch,
                                speculating=len(plan.speculating), probe=plan.probe, caught_up=self.catching_up,
-                               model_ms=round(plan.model_seconds * 1e3, 2),
-                               expected_ms=round(plan.expected_seconds * 1e3, 2),
-                               measured_ms=round(seconds * 1e3, 2), expected_tokens=round(plan.expected_tokens, 2))
+                               model_ms=round(plan.model_seconds * 1e3, 2), expected_ms=round(plan.seconds * 1e3, 2),
+                               overhead_ms=round(plan.overhead * 1e3, 2), measured_ms=round(seconds * 1e3, 2),
+                               expected_tokens=round(plan.expected_tokens, 2))
                 policy.observe_step(plan, seconds)
 
     def forget(self, r: ActiveRequest) -> None:

@@ -154,3 +154,44 @@ class CostModel:
 
     def draft(self, batch: int, shape: str) -> float:
         return self.draft_shapes[shape].at(batch) if batch else 0.0
+
+
+class StepOverheads:
+    """What the steps of a kind (off, speculating) really take over their calibrated clean time, on
+    average over every step run at a batch bucket, the ones that admit prompts included.
+
+    StepCalibration learns from clean steps only (a prefill would blur a choice's cost). Under a
+    stream of arrivals most steps are not clean, and how many are depends on the kind: on the H200
+    closed loop at a = 0.8, C = 32, chain k=4's clean steps took ~28 ms and its steps ~37 ms on
+    average (a request ending every ~19 steps brings a prompt, which the verifier prefills eagerly
+    and the drafter then catches up on), while mode off's lockstep clients admitted their prompts
+    together, one step in 64. Auto ran chain at 0.86x of off. A model of how often prompts arrive
+    got that wrong (it assumed arrivals spread over the steps), so this measures it instead: the
+    mean of the last `window` steps' excess (clean steps count about zero), the largest left out
+    (a wave of prompts all at once is one step, not the rule), over the steps of choices whose
+    clean time is measured (exploring steps would count the calibration's errors). A kind not yet
+    measured at a bucket borrows off's figure there: speculation is then tried, and its own figure
+    replaces it."""
+
+    def __init__(self, window: int = 32, min_samples: int = 8, max_age: int = 512) -> None:
+        """max_age: steps (all kinds) after which a sample no longer counts: once auto has turned
+        to off, speculation's figure from a busier spell must not keep it off for good; it is then
+        borrowed from off's again, tried, and measured afresh."""
+        self.window, self.min_samples, self.max_age = window, min_samples, max_age
+        self.steps = 0
+        self.samples: dict[tuple[bool, int], deque] = {}   # (speculating, bucket) -> (step, excess seconds)
+
+    def tick(self) -> None:
+        """One step of any kind has run."""
+        self.steps += 1
+
+    def observe(self, speculating: bool, batch: int, excess: float) -> None:
+        self.samples.setdefault((speculating, bucket(batch)), deque(maxlen=self.window)).append((self.steps, excess))
+
+    def seconds(self, speculating: bool, batch: int) -> float:
+        b = bucket(batch)
+        for key in ((speculating, b), (False, b)):
+            recent = [x for step, x in self.samples.get(key, ()) if self.steps - step <= self.max_age]
+            if len(recent) >= self.min_samples:
+                return max(0.0, (sum(recent) - max(recent)) / (len(recent) - 1))
+        return 0.0

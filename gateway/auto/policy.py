@@ -16,7 +16,8 @@ overlap pre-draft is usable: the measured share of pre-drafts used after drafts 
 (a hedging drafter's hedges count), until then that of a whole chain accepted; and the costs are the services'
 start-up profiles (gateway/auto/costs.py) times a calibration: measured / modelled step time per
 choice and batch bucket, which carries what the profiles cannot see (gRPC and Python on three hops,
-contention on a shared GPU). A request speculates only while its expected gain pays for its share of
+contention on a shared GPU), plus what the kind's steps (off, speculating) take over their clean
+time on average at this batch size, the steps that admit prompts included (StepOverheads). A request speculates only while its expected gain pays for its share of
 the draft step. Speculation must beat off by `speculation_margin`: the best of several noisy
 estimates is more often overestimated than not, and a speculative step has costs no step time
 shows (requests that end at different steps leave small batches behind, prompts that arrive
@@ -40,7 +41,7 @@ from functools import cached_property
 import numpy as np
 
 from gateway.auto.acceptance import AcceptanceBook
-from gateway.auto.costs import CostModel, StepCalibration
+from gateway.auto.costs import CostModel, StepCalibration, StepOverheads
 from gateway.request import Mode
 from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, chain_shape, predraft_shape, tree_shape
 
@@ -113,11 +114,13 @@ class Plan:
     batch: int = 0
     model_seconds: float = 0.0      # the step time the cost model predicts, before calibration
     expected_tokens: float = 0.0    # tokens the batch is expected to commit
+    seconds: float = 0.0            # the calibrated time of a clean step (one that admits no prompt)
+    overhead: float = 0.0           # what its kind's steps take over that on average (StepOverheads)
 
     @property
     def expected_seconds(self) -> float:
-        """The calibrated step time the choice was scored with."""
-        return self.expected_tokens / self.tokens_per_second if self.tokens_per_second > 0 else 0.0
+        """The step time the choice was scored with."""
+        return self.seconds + self.overhead
 
 
 class AutoPolicy:
@@ -134,6 +137,7 @@ class AutoPolicy:
         measured steps that make a choice's step time at a batch size its own (not borrowed)."""
         self.costs, self.book, self.choices = costs, book, choices
         self.calibration = StepCalibration()
+        self.overheads = StepOverheads()
         self.min_observations, self.min_measured = min_observations, min_measured
         self.challenge_every, self.challenge_within = challenge_every, challenge_within
         self.plans_since_challenge = 0
@@ -240,9 +244,16 @@ class AutoPolicy:
         return self.current == OFF and self.probe_interval > self.probe_start
 
     def observe_step(self, plan: Plan, seconds: float) -> None:
-        """The measured wall time of a step that ran `plan` for the whole batch."""
+        """The measured wall time of a clean step that ran `plan` for the whole batch."""
         c = plan.choice
         self.calibration.observe(c.kind, c.name, c.width, plan.batch, seconds, plan.model_seconds)
+
+    def observe_overhead(self, plan: Plan, seconds: float) -> None:
+        """Any step that ran `plan`: its excess over the clean step it was priced at, when that price
+        rests on measurements of the choice's own (not a probe, not a borrowed figure)."""
+        self.overheads.tick()
+        if not plan.probe and plan.seconds > 0 and self.measured(plan.choice, plan.batch):
+            self.overheads.observe(plan.choice != OFF, plan.batch, seconds - plan.seconds)
 
     def _probe_choice(self) -> Choice | None:
         """The narrowest speculative choice (chain k=1 without overlap)."""
@@ -264,7 +275,9 @@ class AutoPolicy:
             seconds = self.costs.verify(batch, max(1, other_width))
             calibrated = seconds * self.calibration.ratio(OFF.kind, OFF.name, OFF.width, batch)
             tokens = len(seq_ids) + other_tokens
-            return Plan(OFF, [], tokens / calibrated, batch=batch, model_seconds=seconds, expected_tokens=tokens)
+            overhead = self.overheads.seconds(False, batch)
+            return Plan(OFF, [], tokens / (calibrated + overhead), batch=batch, model_seconds=seconds,
+                        expected_tokens=tokens, seconds=calibrated, overhead=overhead)
         gain = prefix[0][:, c.positions - 1]                           # [n] E - 1
         full = prefix[1][:, c.positions - 1]                           # [n]
         order = np.argsort(-gain)
@@ -277,15 +290,18 @@ class AutoPolicy:
         # Speculate the requests with the largest gains first; stop where the next one's gain no
         # longer pays for its draft (the best prefix of the sorted list).
         gained = np.cumsum(gain[order])                                # [n] gain of the first i + 1
-        best = (-1.0, 0, 0.0, 0.0)                                     # (tokens/s, how many, model seconds, tokens)
+        overhead = self.overheads.seconds(True, batch)
+        best = (-1.0, 0, 0.0, 0.0, 0.0)                                # (tokens/s, how many, model s, tokens, step s)
         for n in _prefix_sizes(len(seq_ids)):
             seconds = self._seconds(c, batch, n, max(c.width, other_width), full[order[:n]] if c.overlap else None)
             tokens = len(seq_ids) + float(gained[n - 1]) + other_tokens
             floor = off + (0.0 if c.overlap else self.costs.draft(n, c.draft_shape))
-            if tokens / max(seconds * ratio, floor) > best[0]:
-                best = (tokens / max(seconds * ratio, floor), n, seconds, tokens)
-        tps, n, seconds, tokens = best
-        return Plan(c, [seq_ids[i] for i in order[:n]], tps, batch=batch, model_seconds=seconds, expected_tokens=tokens)
+            step = max(seconds * ratio, floor)
+            if tokens / (step + overhead) > best[0]:
+                best = (tokens / (step + overhead), n, seconds, tokens, step)
+        tps, n, seconds, tokens, step = best
+        return Plan(c, [seq_ids[i] for i in order[:n]], tps, batch=batch, model_seconds=seconds, expected_tokens=tokens,
+                    seconds=step, overhead=overhead)
 
     def _seconds(self, c: Choice, batch: int, drafting: int, width: int, full_accept: np.ndarray | None) -> float:
         """The model's seconds for one step: the verify and what the step waits for drafting."""

@@ -1,0 +1,116 @@
+"""`--mode auto` under a stream of arriving prompts: a step that admits one costs more (the verifier's
+prefill, the drafter's catch-up), more so for a speculating step, and speculation, committing more
+tokens a step, brings a prompt into more of its steps, unless clients run in lockstep. The H200
+closed loop at a = 0.8, C = 32 had clean chain steps ahead of off and chain at 0.79x of off in
+all; auto must see what the steps of each kind really take."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gateway.auto.controller import AutoController, draft_family
+from gateway.auto.costs import StepOverheads
+from gateway.request import ActiveRequest, GenerationRequest, Mode, SpecSettings
+from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, VERIFY_WIDTHS, StepCost, chain_shape, tree_shape
+from specdec.sampling_params import GREEDY
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def test_overheads_are_a_kinds_mean_excess_without_its_largest_and_borrow_offs():
+    o = StepOverheads(window=32, min_samples=8)
+    for _ in range(7):
+        o.observe(False, 32, 0.002)
+    assert o.seconds(False, 32) == 0.0                       # too few steps yet
+    o.observe(False, 32, 0.002)
+    assert o.seconds(False, 32) == pytest.approx(0.002)
+    assert o.seconds(True, 32) == pytest.approx(0.002)       # speculation borrows off's until measured
+    assert o.seconds(False, 4) == 0.0                        # another batch bucket
+    for excess in (0.0, 0.020) * 4 + (0.5,):                 # prompts in half the steps; one wave at once
+        o.observe(True, 30, excess)
+    assert o.seconds(True, 32) == pytest.approx(0.010)
+    assert o.seconds(False, 32) == pytest.approx(0.002)
+    for _ in range(513):                                     # a spell of other buckets: old figures expire
+        o.tick()
+    assert o.seconds(True, 32) == o.seconds(False, 32) == 0.0
+
+
+# The true costs of the simulated server (seconds): clean steps, and what a step that admits costs more.
+OFF_STEP, CHAIN_TOKEN_DRAFT, TREE_STEP = 0.0085, 0.0046, 0.060
+EXTRA_OFF, EXTRA_SPECULATING = 0.006, 0.018
+LENGTH, BATCH, ACCEPTANCE = 64, 32, 0.8
+
+
+def controller() -> AutoController:
+    """Profiles that see none of it: every verify 10 ms, drafts nearly free."""
+    verify = [StepCost(f"verify:{w}", b, 0.01) for w in VERIFY_WIDTHS for b in BATCHES]
+    shapes = [*(chain_shape(k) for k in AUTO_CHAIN_KS), *(tree_shape(*t) for t in AUTO_TREES)]
+    draft = [StepCost(s, b, 0.0005) for b in BATCHES for s in shapes]
+    return AutoController(verify, lambda: (draft, ["gpu-1"]), 64, replan_every=1, verifier_accelerators=["gpu-0"])
+
+
+def new_request(i: int) -> ActiveRequest:
+    req = GenerationRequest(f"q{i}", [1, 2, 3], 10_000, [], False, SpecSettings(Mode.AUTO), GREEDY)
+    return ActiveRequest(req=req, seq_id=f"s{i}", mode=Mode.AUTO, detok=None, sampling=GREEDY, drafter="d:1")
+
+
+def closed_loop(auto: AutoController, steps: int, fixed: Mode | None = None, k: int = 4,
+                lockstep: bool = False) -> float:
+    """BATCH clients, each sending a LENGTH-token request as soon as its last one ended; a step that
+    admits costs its kind's extra. fixed: every step runs that mode (chain of k) instead of auto's
+    plan; lockstep: the clients start together (mode off then keeps them in step: all their prompts
+    arrive in one step of LENGTH). -> tokens per second over the second half."""
+    rng = np.random.default_rng(0)
+    reqs = [new_request(i) for i in range(BATCH)]
+    starts = [LENGTH] * BATCH if lockstep else rng.integers(1, LENGTH + 1, BATCH)
+    left = {r.seq_id: int(n) for r, n in zip(reqs, starts)}
+    opened, tokens, seconds = BATCH, 0, 0.0
+    for step in range(steps):
+        admitted, opened_now = opened, opened
+        auto.plan(reqs, prefilling=admitted > 0)
+        if fixed is not None:
+            for r in reqs:
+                r.mode, r.settings = fixed, SpecSettings(fixed, k=k)
+        committed = 0
+        for r in reqs:
+            depth = r.settings.k if r.mode == Mode.CHAIN else r.settings.depth if r.mode == Mode.TREE else 0
+            accepted = 0
+            while accepted < depth and rng.random() < ACCEPTANCE:
+                accepted += 1
+            r.draft_family = draft_family(r.settings, r.mode)
+            auto.observe_verdict(r, depth, accepted)
+            committed += accepted + 1
+            left[r.seq_id] -= accepted + 1
+        modes = {r.mode for r in reqs}
+        speculating = modes != {Mode.OFF}
+        clean = (TREE_STEP if Mode.TREE in modes else
+                 OFF_STEP + CHAIN_TOKEN_DRAFT * max((r.settings.k for r in reqs if r.mode == Mode.CHAIN), default=0))
+        took = clean + (EXTRA_SPECULATING if speculating else EXTRA_OFF) * (opened_now > 0)
+        auto.observe_step(took, prefilling=admitted > 0)
+        opened = 0
+        for i, r in enumerate(reqs):
+            if left[r.seq_id] <= 0:   # its client sends the next one at once
+                auto.forget(r)
+                reqs[i] = new_request(BATCH * (step + 1) + i)
+                left[reqs[i].seq_id] = LENGTH
+                opened += 1
+        if step >= steps // 2:
+            tokens, seconds = tokens + committed, seconds + took
+    return tokens / seconds
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_auto_sees_what_the_steps_of_each_kind_really_take(lockstep):
+    """With clients out of step, auto must end within 5% of off, the best fixed mode. With clients
+    that start together, off alone keeps them in step (a prompt step in every LENGTH); any step
+    of speculation puts them out of step for good, so the bar there is off with clients out of
+    step: auto must not mistake that traffic's prompt steps for a reason to speculate."""
+    off = closed_loop(controller(), 1500, fixed=Mode.OFF)
+    chain = closed_loop(controller(), 1500, fixed=Mode.CHAIN, lockstep=lockstep)
+    assert chain < 0.92 * off                        # with every cost counted, off is best here ...
+    clean_off, clean_chain = BATCH / OFF_STEP, BATCH * (1 - ACCEPTANCE ** 5) / (1 - ACCEPTANCE) / (
+        OFF_STEP + 4 * CHAIN_TOKEN_DRAFT)
+    assert clean_chain > 1.05 * clean_off            # ... though clean steps alone say chain k=4
+    got = closed_loop(controller(), 1500, lockstep=lockstep)
+    assert got >= 0.95 * off
