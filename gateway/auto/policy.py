@@ -21,8 +21,9 @@ time on average at this batch size, the steps that admit prompts included (StepO
 request speculates only while its expected gain pays for its share of the draft step. Speculation
 must beat off by `speculation_margin`: the best of several noisy estimates is more often
 overestimated than not, and a speculative step has costs no step time shows (requests that end
-at different steps leave small batches behind, prompts that arrive apart prefill apart); on the H200 a tree scored within a few percent of off at a = 0.8, C = 32 was
-chosen on upward errors and ran the closed loop at 0.80x of off. The policy keeps its current
+at different steps leave small batches behind, prompts that arrive apart prefill apart); on the
+H200 a tree scored within a few percent of off at a = 0.8, C = 32 was chosen on upward errors and
+ran the closed loop at 0.80x of off. The policy keeps its current
 choice unless another is `switch_margin` better, so it does not flap between near-equal choices.
 A new drafter is first measured with cheap probes (one request drafts one token); when
 speculation is off the policy still probes now and then, the interval doubling while probes keep
