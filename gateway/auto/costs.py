@@ -180,16 +180,24 @@ class StepOverheads:
         self.window, self.min_samples, self.max_age = window, min_samples, max_age
         self.steps = 0
         self.samples: dict[tuple[bool, int], deque] = {}   # (speculating, bucket) -> (step, excess seconds)
+        self.cached: dict[tuple[bool, int], float] = {}    # figures since the last step (a plan asks per choice)
 
     def tick(self) -> None:
         """One step of any kind has run."""
         self.steps += 1
+        self.cached.clear()
 
     def observe(self, speculating: bool, batch: int, excess: float) -> None:
         self.samples.setdefault((speculating, bucket(batch)), deque(maxlen=self.window)).append((self.steps, excess))
+        self.cached.clear()
 
     def seconds(self, speculating: bool, batch: int) -> float:
-        b = bucket(batch)
+        key = (speculating, bucket(batch))
+        if key not in self.cached:
+            self.cached[key] = self._seconds(*key)
+        return self.cached[key]
+
+    def _seconds(self, speculating: bool, b: int) -> float:
         for key in ((speculating, b), (False, b)):
             recent = [x for step, x in self.samples.get(key, ()) if self.steps - step <= self.max_age]
             if len(recent) >= self.min_samples:
