@@ -29,6 +29,12 @@ from specdec.sequence_table import SequenceState, SequenceTable
 from specdec.tree import DraftTree
 
 
+# Real pairs per sequence in a step once its prompt is in: a verdict's accepted drafts and bonus (a
+# chain of up to 6, a tree of depth up to 7), and the last pair again when nothing new was committed.
+# eagle3_graphs captures 1 .. this; a prompt's longer feed runs in a forward of its own.
+CATCH_UP_PAIRS = 8
+
+
 class Eagle3DrafterEngine:
     def __init__(self, head: Eagle3Head, embed_weight: torch.Tensor, max_sequences: int, max_context: int,
                  hedge_predrafts: bool = False) -> None:
@@ -128,11 +134,31 @@ class Eagle3DrafterEngine:
             rows.append(pending[pending.shape[0] - len(feeds[-1]):])
             self.fed[s.seq_id] = len(s.tokens) - 1
             self.rows[s.seq_id] = pending[-1:]  # keep the last: the next step may need its output again
+        # Prompts (long feeds) apart from the one-step catch-ups: one padded forward of both would
+        # feed every sequence (target states included) as many pairs as the longest prompt.
+        short = [i for i, f in enumerate(feeds) if len(f) <= CATCH_UP_PAIRS]
+        if len(short) in (0, len(feeds)):
+            return self._pairs_forward(starts, feeds, rows, slots)
+        long = [i for i, f in enumerate(feeds) if len(f) > CATCH_UP_PAIRS]
+        logits = out = None
+        for group, staging in ((short, "hidden"), (long, "prompt hidden")):   # two buffers: both uploads in flight
+            part = self._pairs_forward([starts[i] for i in group], [feeds[i] for i in group],
+                                       [rows[i] for i in group], slots[group], staging)
+            if logits is None:
+                logits, out = (p.new_empty(len(feeds), p.shape[-1]) for p in part)
+            index = upload(torch.tensor(group, dtype=torch.long), self.device)
+            logits[index], out[index] = part
+        return logits, out
+
+    def _pairs_forward(self, starts: list[int], feeds: list[list[int]], rows: list[torch.Tensor],
+                       slots: torch.Tensor, staging: str = "hidden") -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of real pairs: feeds[i] with their target states rows[i] at head positions
+        starts[i] + 1 .. -> the draft logits [B, Vd] and hidden output [B, h] after each feed."""
         n = max(len(f) for f in feeds)
         tokens = torch.tensor([f + [0] * (n - len(f)) for f in feeds], dtype=torch.long)      # [B, n] host
         lengths = torch.tensor([len(f) for f in feeds], dtype=torch.long)
         start = torch.tensor(starts, dtype=torch.long)
-        hidden = self.staging.get("hidden", (len(states), n, self.aux_width), self.dtype).zero_()
+        hidden = self.staging.get(staging, (len(feeds), n, self.aux_width), self.dtype).zero_()
         for i, r in enumerate(rows):
             hidden[i, : r.shape[0]] = r
         fed = None if self.graphs is None else self.graphs.real_pairs(tokens, hidden, start, lengths, slots)

@@ -18,16 +18,21 @@ from __future__ import annotations
 import torch
 
 from drafter_svc.draft_graphs import DEFAULT_TREE_SHAPES, capture_loops
-from drafter_svc.eagle3_engine import Eagle3DrafterEngine, greedy_chain, head_tree, hedge_chains, real_pairs_forward
+from drafter_svc.eagle3_engine import (
+    CATCH_UP_PAIRS,
+    Eagle3DrafterEngine,
+    greedy_chain,
+    head_tree,
+    hedge_chains,
+    real_pairs_forward,
+)
 from drafter_svc.types import TreeShape
 from specdec.model.batch import PackedStatics
 from specdec.model.cuda_graphs import batch_buckets
 
 # Chain steps = assumed tokens + k: chains of up to 6 drafts, after up to 7 assumed ones.
 DEFAULT_CHAIN_STEPS = tuple(range(1, 14))
-# Real pairs per sequence in a step: a verdict's accepted drafts and bonus (a chain of up to 6,
-# a tree of depth up to 7), and the last pair again when nothing new was committed.
-REAL_PAIRS = tuple(range(1, 9))
+REAL_PAIRS = tuple(range(1, CATCH_UP_PAIRS + 1))
 # Hedges: drafts of k <= 4 after their guesses, up to 4 hedges a sequence (pre-drafts after chains
 # of k <= 4); their masks span 128 positions (a chain of k = 4 needs 25).
 HEDGE_STEPS = (1, 2, 3, 4)

@@ -101,6 +101,24 @@ class DrafterEngine:
             states.append(s)
             starts.append(common)
             feeds.append(feed)
+        # Prompts (long feeds) apart from the one-step catch-ups: one padded forward of both would
+        # feed every sequence as many tokens as the longest prompt.
+        short = [i for i, f in enumerate(feeds) if len(f) <= max(DEFAULT_QUERY_LENS)]
+        if len(short) in (0, len(feeds)):
+            return self._feed(states, starts, feeds)
+        long = [i for i, f in enumerate(feeds) if len(f) > max(DEFAULT_QUERY_LENS)]
+        logits = None
+        for group in (short, long):
+            part = self._feed([states[i] for i in group], [starts[i] for i in group], [feeds[i] for i in group])
+            if logits is None:
+                logits = part.new_empty(len(feeds), part.shape[-1])
+            logits[upload_list(group, self.device)] = part
+        return logits
+
+    def _feed(self, states: list[SequenceState], starts: list[int], feeds: list[list[int]]) -> torch.Tensor:
+        """One forward feeding feeds[i] at KV position starts[i] of states[i] -> logits after each
+        feed's last token [B, V]: by graph replay (all positions) for short feeds, else the last
+        position only (a prompt: a prefill graph where one fits)."""
         tokens, lengths = ragged_to_padded(feeds, 0, self.device)
         n = tokens.shape[1]
         start = upload_list(starts, self.device)

@@ -11,6 +11,12 @@ the same run; "of limit" = limit / step time.
     python scripts/profile_step.py            (the embedded SmolLM2 target)
     python scripts/profile_step.py --device cpu --batch 1 --k 0 2 4 --cpu-threads 1   (as a CPU service runs it)
     python scripts/profile_step.py --model DIR --tp 2 --cuda-graphs   (rank 0's shard: bytes and limit per GPU)
+
+With --admit L..., also steps that open a sequence with a prompt of L tokens while verifying the
+batch (its prefill runs in the same step, as when a request arrives under load): step time with the
+prompt prefilled eagerly and, with --cuda-graphs, by a prefill graph, against no admission.
+
+    python scripts/profile_step.py --model DIR --batch 1 32 --k 0 4 --cuda-graphs --admit 64 128
 """
 
 from __future__ import annotations
@@ -51,6 +57,41 @@ def run_steps(engine: VerifierEngine, ids: list[str], k: int, steps: int, rng: r
         sync(engine.device)
         times.append(1e3 * (time.perf_counter() - t0))
     return times
+
+
+def run_admitting_steps(engine: VerifierEngine, ids: list[str], k: int, steps: int, rng: random.Random,
+                        prompt_len: int) -> list[float]:
+    """run_steps, each step also opening (then closing) a sequence with a fresh prompt."""
+    vocab = engine.spec.vocab_size
+    times = []
+    for i in range(steps):
+        items = [VerifyItem(sid, len(engine.table.get(sid).tokens),
+                            DraftTree.chain([rng.randrange(vocab) for _ in range(k)])) for sid in ids]
+        new = OpenSequence(f"admitted{i}", [rng.randrange(vocab) for _ in range(prompt_len)])
+        sync(engine.device)
+        t0 = time.perf_counter()
+        engine.step(VerifierStep(i + 1, open=[new], verify=items))
+        sync(engine.device)
+        times.append(1e3 * (time.perf_counter() - t0))
+        engine.close([new.seq_id])
+    return times
+
+
+def time_admissions(engine: VerifierEngine, ids: list[str], k: int, steps: int, rng: random.Random,
+                    prompt_lens: list[int], plain_ms: float) -> list[str]:
+    """-> one table row per prompt length: step ms p50 admitting it eagerly and by prefill graph."""
+    rows, graphs = [], engine.runner.prefill_graphs
+    for n in prompt_lens:
+        cells = []
+        for family in ([None, graphs] if graphs is not None else [None]):
+            engine.runner.prefill_graphs = family
+            run_admitting_steps(engine, ids, k, 2, rng, n)  # warm-up
+            cells.append(statistics.median(run_admitting_steps(engine, ids, k, steps, rng, n)))
+        engine.runner.prefill_graphs = graphs
+        graphed = f"{cells[1]:.2f} | {cells[1] - plain_ms:+.2f}" if len(cells) > 1 else "- | -"
+        rows.append(f"| {len(ids)} | {k} | {n} | {plain_ms:.2f} | {cells[0]:.2f} | {cells[0] - plain_ms:+.2f} | "
+                    f"{graphed} |")
+    return rows
 
 
 def time_forward(engine: VerifierEngine, ids: list[str], n: int, steps: int) -> list[float]:
@@ -129,6 +170,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top operators for the last setting")
     p.add_argument("--cuda-graphs", action="store_true", help="capture the verify forwards as CUDA graphs first")
+    p.add_argument("--admit", type=int, nargs="*", default=[], metavar="L",
+                   help="also time steps that admit a prompt of L tokens (eager and graphed prefill)")
     p.add_argument("--no-fuse", action="store_true", help="the reference forward (separate projections, "
                    "unfused norms and RoPE) instead of the fused one")
     p.add_argument("--batch-invariant", action="store_true", help="the batch-invariant matmuls and attention")
@@ -156,7 +199,7 @@ def profile(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     device = torch.device(a.device)
     dtype_name = a.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = DTYPES[dtype_name]
-    engine = VerifierEngine(make_runner(a, dtype_name, device), max(a.batch), 4096, 64)
+    engine = VerifierEngine(make_runner(a, dtype_name, device), max(a.batch) + bool(a.admit), 4096, 64)
     if a.cuda_graphs:
         engine.runner.capture_cuda_graphs(max(a.batch), tuple(sorted({k + 1 for k in a.k})))
     rng = random.Random(0)
@@ -167,6 +210,7 @@ def profile(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
           + (f" copy_bandwidth={bandwidth / 1e12:.2f} TB/s" if bandwidth else ""))
     print("| batch | k | step ms p50 | step ms min | forward ms p50 | limit ms | step of limit | forward of limit |")
     print("|---|---|---|---|---|---|---|---|")
+    admissions = []   # --admit's table rows
     for batch in a.batch:
         for k in a.k:
             ids = [f"s{i}" for i in range(batch)]
@@ -181,6 +225,7 @@ def profile(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
                 limit = 1e3 * bytes_per_step(engine, batch, a.prompt_len) / bandwidth
                 row += f" {limit:.2f} | {limit / step:.0%} | {limit / fwd:.0%} |"
             print(row, flush=True)
+            admissions += time_admissions(engine, ids, k, a.steps, rng, a.admit, step)
             if a.profile and (batch, k) == (a.batch[-1], a.k[-1]):
                 activities = [torch.profiler.ProfilerActivity.CPU] + (
                     [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -190,6 +235,11 @@ def profile(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
                 if device.type == "cuda":
                     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
             engine.close(ids)
+    if admissions:
+        print("\nSteps admitting a prompt (prefilled in the step), ms p50:")
+        print("| batch | k | prompt | no admission | eager prefill | added | prefill graph | added |")
+        print("|---|---|---|---|---|---|---|---|")
+        print("\n".join(admissions))
     engine.runner.shutdown()   # the other ranks exit
 
 

@@ -26,26 +26,37 @@ class EagerGraphs(GraphedForward):
     """The graph machinery with replay replaced by an eager forward over the static inputs."""
 
     def _capture_one(self, b: int, n: int) -> _Graph:
-        return _Graph(None, self._padding(b, n), self._padding(b, n))
+        return self._static(b, n)
 
     def _replay(self, g: _Graph) -> None:
-        self._write_logits(g.inputs)
+        self._write_logits(g)
 
 
-def engines(path, device: str = "cpu", dtype=torch.float64, graphs=EagerGraphs) -> tuple[VerifierEngine, VerifierEngine]:
+def engines(path, device: str = "cpu", dtype=torch.float64, graphs=EagerGraphs,
+            prefill_chunk: int = 0) -> tuple[VerifierEngine, VerifierEngine]:
     """Two verifiers of one checkpoint: eager, and graphed with batch buckets 1, 2, 4, 6 and
-    query lengths 1, 2, 5, 9."""
+    query lengths 1, 2, 5, 9; prompt chunks in buckets of 1, 2, 4 rows of 4, 8, 16 tokens, at
+    most 32 tokens a graph."""
     out = []
     for graphed in (False, True):
         runner = ModelRunner(load_model(path, dtype, torch.device(device)))
-        engine = VerifierEngine(runner, SLOTS, CONTEXT, DRAFT)
+        engine = VerifierEngine(runner, SLOTS, CONTEXT, DRAFT, prefill_chunk=prefill_chunk)
         if graphed:
-            runner.graphs = graphs(lambda batch, r=runner: r.model(batch, r.cache), runner.spec.vocab_size,
-                                   SLOTS, runner.cache.slot_len, runner.device, (1, 2, 4, SLOTS),
-                                   (1, 2, 5, 9), torch.promote_types(dtype, torch.float32))
+            common = (runner._model_forward, runner.spec.vocab_size, SLOTS, runner.cache.slot_len, runner.device)
+            runner.graphs = graphs(*common, (1, 2, 4, SLOTS), (1, 2, 5, 9), torch.promote_types(dtype, torch.float32))
             runner.graphs.capture()
+            runner.prefill_graphs = graphs(*common, (1, 2, 4), (4, 8, 16), torch.promote_types(dtype, torch.float32),
+                                           last_logit=True, max_tokens=32)
+            runner.prefill_graphs.capture()
         out.append(engine)
     return out[0], out[1]
+
+
+def count_replays(graphs: GraphedForward) -> list:
+    """Wrap graphs.run: -> the list of what each call returned (None: it ran eagerly)."""
+    replayed, real_run = [], graphs.run
+    graphs.run = lambda *args: replayed.append(real_run(*args)) or replayed[-1]
+    return replayed
 
 
 def random_draft(rng: random.Random, vocab: int) -> DraftTree:
@@ -65,9 +76,7 @@ def check_padded_steps(eager: VerifierEngine, graphed: VerifierEngine, tol: floa
     and KV with and without graphs; padding rows write only to the scratch slot."""
     vocab = eager.spec.vocab_size
     rng = random.Random(5)
-    graphs, replayed = graphed.runner.graphs, []
-    real_run = graphs.run
-    graphs.run = lambda batch: replayed.append(real_run(batch)) or replayed[-1]  # count the hits
+    replayed = count_replays(graphed.runner.graphs)
     ids = [f"s{i}" for i in range(5)]
     opens = [OpenSequence(sid, [rng.randrange(vocab) for _ in range(rng.randint(2, 9))]) for sid in ids]
     assert eager.step(VerifierStep(0, open=opens)) == graphed.step(VerifierStep(0, open=opens))
@@ -89,6 +98,56 @@ def check_padded_steps(eager: VerifierEngine, graphed: VerifierEngine, tol: floa
     free = [s for s in range(SLOTS) if s not in {graphed.table.get(sid).slot for sid in ids}]
     assert not graphed.runner.cache.k[:, free].any()  # padding rows write only to the scratch slot
     assert graphed.runner.cache.k[:, SLOTS].any()
+
+
+def test_padded_prefill_changes_nothing(checkpoints):
+    """Prompts of 1..30 tokens opened a few at a time, whole and in chunks of 12 tokens a step:
+    the prefill graphs (rows padded to 1, 2, 4, tokens to 4, 8, 16; past 32 padded tokens, eager)
+    give the same first tokens and KV entries as the eager prefill, the next verify steps agree,
+    and padding writes into no slot that a sequence owns."""
+    check_padded_prefill(checkpoints["llama-gqa"], "cpu", torch.float64, EagerGraphs, tol=1e-12)
+
+
+def check_padded_prefill(path, device: str, dtype: torch.dtype, graphs, tol: float) -> None:
+    for chunk in (0, 12):
+        eager, graphed = engines(path, device, dtype, graphs, prefill_chunk=chunk)
+        replayed = count_replays(graphed.runner.prefill_graphs)
+        vocab, rng = eager.spec.vocab_size, random.Random(chunk)
+        ids = [f"p{i}" for i in range(SLOTS)]
+        groups = [{ids[0]: 7}, {ids[1]: 3, ids[2]: 16}, {ids[3]: 1, ids[4]: 9, ids[5]: 30}]  # prompt lengths
+        for step, group in enumerate(groups):
+            opens = [OpenSequence(sid, [rng.randrange(vocab) for _ in range(n)]) for sid, n in group.items()]
+            want = eager.step(VerifierStep(step, open=opens)).verdicts + eager.finish_prefills()
+            got = graphed.step(VerifierStep(step, open=opens)).verdicts + graphed.finish_prefills()
+            assert got == want and len(got) == len(group), f"chunk {chunk}, step {step}"
+        for step in range(3, 6):
+            items = [VerifyItem(sid, len(eager.table.get(sid).tokens), random_draft(rng, vocab)) for sid in ids]
+            assert graphed.step(VerifierStep(step, verify=items)) == eager.step(VerifierStep(step, verify=items))
+        assert sum(r is not None for r in replayed) >= 2 and None in replayed, chunk  # graphed, and eager past 32
+        for sid in ids:
+            e, g = eager.table.get(sid), graphed.table.get(sid)
+            n = len(e.tokens) - 1
+            torch.testing.assert_close(graphed.runner.cache.k[:, g.slot, :n], eager.runner.cache.k[:, e.slot, :n],
+                                       rtol=tol, atol=tol)
+
+
+def test_padded_tokens_stay_in_their_slot():
+    """A row's padded tokens write after its real ones, but never past its slot's last position
+    (a prompt's last chunk padded up to the graph's length can reach that far)."""
+    seen = []
+    graphs = EagerGraphs(lambda batch, index: seen.append(batch.write_pos.clone()) or torch.zeros(1, 1, 8),
+                         8, 2, 20, torch.device("cpu"), (1,), (4, 8), last_logit=True)
+    graphs.capture()
+    pos = torch.tensor([[15, 16, 17]])
+    batch = ForwardBatch.build(torch.zeros(1, 3, dtype=torch.long), pos, torch.tensor([0]), pos, torch.tensor([15]),
+                               causal_region(torch.tensor([3]), 3), kv_len=18)
+    assert graphs.run(batch, torch.tensor([[2]])) is not None
+    assert seen[-1].tolist() == [[15, 16, 17, 18]]
+    pos = torch.tensor([[14, 15, 16, 17, 18]])  # five tokens padded to eight: the pads past 19 land on 19
+    batch = ForwardBatch.build(torch.zeros(1, 5, dtype=torch.long), pos, torch.tensor([0]), pos, torch.tensor([14]),
+                               causal_region(torch.tensor([5]), 5), kv_len=19)
+    graphs.run(batch, torch.tensor([[4]]))
+    assert seen[-1].tolist() == [[14, 15, 16, 17, 18, 19, 19, 19]]
 
 
 def test_logits_equal_unpadded_and_odd_shapes_fall_back(checkpoints):

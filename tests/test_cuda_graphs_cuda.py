@@ -1,5 +1,6 @@
 """Real CUDA graphs on the GPU: replayed verify steps give the verdicts, logits and KV of the
-eager forward on the same inputs (fp32, so argmax ties are far), padding included; a graphed
+eager forward on the same inputs (fp32, so argmax ties are far), padding included, and so do
+replayed prompt chunks (last-logit graphs); a graphed
 drafter (catch-up replays, whole chains as one replay) drafts what the eager one drafts. The CUDA
 end-to-end tests (test_e2e_cuda.py, test_e2e_bf16_cuda.py) serve with graphs on, the default.
 Skips without CUDA."""
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_draft_graphs import check_drafts, drafter
-from test_cuda_graphs import check_logits, check_padded_steps, engines
+from test_cuda_graphs import check_logits, check_padded_prefill, check_padded_steps, engines
 
 from specdec.model.cuda_graphs import GraphedForward
 
@@ -18,6 +19,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def test_replayed_steps_equal_eager_steps(checkpoints):
     check_padded_steps(*engines(checkpoints["llama-gqa"], "cuda", torch.float32, GraphedForward), tol=1e-5)
+
+
+def test_replayed_prefills_equal_eager_prefills(checkpoints):
+    check_padded_prefill(checkpoints["llama-gqa"], "cuda", torch.float32, GraphedForward, tol=1e-5)
 
 
 def test_replayed_logits_equal_eager_logits(checkpoints):

@@ -159,3 +159,22 @@ def test_long_context_batched_with_long_feed(checkpoints):
     for draft, ctx, k in zip(res.drafts, [old + [42], new], [1, 4]):
         fresh = engine(path).step(DrafterStep(1, [DraftItem("s", len(ctx), ctx, [], ChainShape(k))]))
         assert draft.tree.token_ids == fresh.drafts[0].tree.token_ids
+
+
+def test_a_prompt_is_fed_apart_from_the_catch_ups(checkpoints):
+    """A step where one sequence opens with a long prompt and others catch up a few tokens: the
+    prompt gets a forward of its own (padding the catch-ups to the prompt's length would feed each
+    of them 60 tokens), and every draft equals a fresh engine's."""
+    path = checkpoints["llama-gqa"]
+    eng = engine(path)
+    a, b, new = [3, 4, 5], [9, 8], [(13 * i) % 300 + 1 for i in range(60)]
+    eng.step(DrafterStep(1, [DraftItem("a", 3, a, [], ChainShape(2)), DraftItem("b", 2, b, [], ChainShape(2))]))
+    shapes, real = [], eng.runner.forward
+    eng.runner.forward = lambda batch, *rest, **kw: shapes.append(tuple(batch.tokens.shape)) or real(batch, *rest, **kw)
+    res = eng.step(DrafterStep(2, [DraftItem("a", 4, [6], [], ChainShape(1)), DraftItem("new", 60, new, [], ChainShape(1)),
+                                   DraftItem("b", 5, [7, 6, 5], [], ChainShape(1))]))
+    assert not res.errors
+    assert sorted(shapes) == [(1, 60), (2, 3)]
+    for draft, ctx in zip(res.drafts, [a + [6], new, b + [7, 6, 5]]):
+        fresh = engine(path).step(DrafterStep(1, [DraftItem("s", len(ctx), ctx, [], ChainShape(1))]))
+        assert draft.tree.token_ids == fresh.drafts[0].tree.token_ids

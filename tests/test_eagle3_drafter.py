@@ -280,3 +280,33 @@ def test_hedges_are_the_pre_drafts_after_each_guessed_correction(checkpoints, tm
     res = hedging.step(DrafterStep(3, items({"u": [5, 6]}, {"u": 3}, SamplingParams(temperature=0.7, seed=1))))
     assert not res.errors and res.drafts[0].hedges == {}
     assert all(not d.hedges for d in engine(target, head_dir).step(DrafterStep(1, items(assumed, ks))).drafts)
+
+
+def test_a_prompt_is_fed_apart_from_the_catch_ups(checkpoints, tmp_path, monkeypatch):
+    """A step where one sequence opens with a 20-token prompt and two others catch up a pair or
+    three: the prompt's pairs get a forward of their own (padding the catch-ups to its length would
+    feed each 19 pairs), and every draft equals a fresh engine's."""
+    import drafter_svc.eagle3_engine as module
+
+    target, head_dir = setup(checkpoints, tmp_path)
+    eng = engine(target, head_dir)
+    aux = eng.head.spec.aux_layers
+    ctx = {"a": [3, 4, 5], "b": [9, 8], "new": [(13 * i) % 300 + 1 for i in range(20)]}
+    eng.step(DrafterStep(1, [DraftItem(s, len(ctx[s]), ctx[s], [], ChainShape(2), hidden=target_states(target, aux, ctx[s]))
+                             for s in "ab"]))
+    shapes, real = [], module.real_pairs_forward
+    monkeypatch.setattr(module, "real_pairs_forward", lambda head, embed, cache, tokens, *rest, **kw:
+                        shapes.append(tuple(tokens.shape)) or real(head, embed, cache, tokens, *rest, **kw))
+    ctx["a"], ctx["b"] = ctx["a"] + [6], ctx["b"] + [7, 6, 5]
+    items = []
+    for sid, sent in (("a", 3), ("new", 0), ("b", 2)):
+        rows = target_states(target, aux, ctx[sid])[max(0, sent - 1):]
+        items.append(DraftItem(sid, len(ctx[sid]), ctx[sid][sent:], [], ChainShape(2), hidden=rows))
+    res = eng.step(DrafterStep(2, items))
+    assert not res.errors
+    assert sorted(shapes) == [(1, 19), (2, 3)]
+    for d in res.drafts:
+        c = ctx[d.seq_id]
+        fresh = engine(target, head_dir).step(DrafterStep(1, [DraftItem(
+            "s", len(c), c, [], ChainShape(2), hidden=target_states(target, aux, c))]))
+        assert d.tree.token_ids == fresh.drafts[0].tree.token_ids, d.seq_id

@@ -13,7 +13,13 @@ import torch
 
 from specdec.model import commands
 from specdec.model.batch import ForwardBatch
-from specdec.model.cuda_graphs import GraphedForward, batch_buckets
+from specdec.model.cuda_graphs import (
+    PREFILL_MAX_TOKENS,
+    PREFILL_QUERY_LENS,
+    GraphedForward,
+    batch_buckets,
+    prefill_buckets,
+)
 from specdec.model.kv_cache import KVCache
 from specdec.model.llama import LlamaForCausalLM
 
@@ -25,7 +31,8 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.cache: KVCache | None = None
-        self.graphs: GraphedForward | None = None
+        self.graphs: GraphedForward | None = None          # all-position logits: verify and draft steps
+        self.prefill_graphs: GraphedForward | None = None  # one logit a row: prompt chunks
         self.aux_layers: tuple[int, ...] = ()  # target layers whose inputs forward_with_aux returns (EAGLE-3)
 
     def allocate_kv(self, num_slots: int, slot_len: int) -> None:
@@ -35,35 +42,46 @@ class ModelRunner:
                              self.dtype, self.device)
 
     def capture_cuda_graphs(self, max_batch: int, query_lens: tuple[int, ...], log=None) -> None:
-        """Capture the repeating forwards (see cuda_graphs.py), CUDA only. Under tensor parallelism
+        """Capture the repeating forwards (see cuda_graphs.py), CUDA only: steps of every batch
+        bucket and query length, and prompt chunks (PREFILL_QUERY_LENS). Under tensor parallelism
         every rank captures the same shapes in the same order (their collectives are captured with
         them) and replays the same graph for each forward command, so the collectives stay paired."""
-        sizes = batch_buckets(max_batch)
-        if self.aux_layers:
-            forward = lambda batch: self.model.forward_with_aux(batch, self.cache, self.aux_layers)  # noqa: E731
-        else:
-            forward = lambda batch: self.model(batch, self.cache)  # noqa: E731
-        self.graphs = GraphedForward(forward, self.spec.vocab_size, self.cache.num_slots - 1, self.cache.slot_len,
-                                     self.device, sizes, query_lens, torch.promote_types(self.dtype, torch.float32),
-                                     len(self.aux_layers) * self.spec.hidden_size, self.dtype)
+        aux_width = len(self.aux_layers) * self.spec.hidden_size
+        logits_dtype = torch.promote_types(self.dtype, torch.float32)
+        scratch, slot_len = self.cache.num_slots - 1, self.cache.slot_len
+        self.graphs = GraphedForward(self._model_forward, self.spec.vocab_size, scratch, slot_len, self.device,
+                                     batch_buckets(max_batch), query_lens, logits_dtype, aux_width, self.dtype)
         self.graphs.capture(log)
+        self.prefill_graphs = GraphedForward(self._model_forward, self.spec.vocab_size, scratch, slot_len,
+                                             self.device, prefill_buckets(max_batch), PREFILL_QUERY_LENS,
+                                             logits_dtype, aux_width, self.dtype, last_logit=True,
+                                             max_tokens=PREFILL_MAX_TOKENS)
+        self.prefill_graphs.capture(log)
+
+    def _model_forward(self, batch: ForwardBatch, logit_index: torch.Tensor | None = None):
+        if self.aux_layers:
+            return self.model.forward_with_aux(batch, self.cache, self.aux_layers, logit_index)
+        return self.model(batch, self.cache, logit_index)
+
+    def _replay(self, batch: ForwardBatch, logit_index: torch.Tensor | None):
+        """-> (logits, the graph family) by replaying the graph that fits, or None: run eagerly.
+        The logits are a view of the family's static buffer: valid until the next forward."""
+        family = self.graphs if logit_index is None else self.prefill_graphs
+        logits = None if family is None else family.run(batch, logit_index)
+        return None if logits is None else (logits, family)
 
     def forward(self, batch: ForwardBatch, logit_index: torch.Tensor | None = None) -> torch.Tensor:
-        if self.graphs is not None and logit_index is None:
-            logits = self.graphs.run(batch)
-            if logits is not None:
-                return logits  # a view of the graphs' static buffer: valid until the next forward
-        return self.model(batch, self.cache, logit_index)
+        hit = self._replay(batch, logit_index)
+        return hit[0] if hit is not None else self.model(batch, self.cache, logit_index)
 
     def forward_with_aux(self, batch: ForwardBatch,
                          logit_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """forward, plus the hidden states at the inputs of self.aux_layers for every position:
         [B, n, len(aux_layers) * hidden] (valid until the next forward, like the logits)."""
-        if self.graphs is not None and logit_index is None:
-            logits = self.graphs.run(batch)
-            if logits is not None:
-                b, n = batch.tokens.shape
-                return logits, self.graphs.aux[:b, :n]
+        hit = self._replay(batch, logit_index)
+        if hit is not None:
+            logits, family = hit
+            return logits, family.aux_rows(*batch.tokens.shape)
         return self.model.forward_with_aux(batch, self.cache, self.aux_layers, logit_index)
 
     def move(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
