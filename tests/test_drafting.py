@@ -170,8 +170,10 @@ def test_a_prompt_is_fed_apart_from_the_catch_ups(checkpoints):
     a, b, new = [3, 4, 5], [9, 8], [(13 * i) % 300 + 1 for i in range(60)]
     eng.step(DrafterStep(1, [DraftItem("a", 3, a, [], ChainShape(2)), DraftItem("b", 2, b, [], ChainShape(2))]))
     shapes, real = [], eng.runner.forward
-    eng.runner.forward = lambda batch, *rest, **kw: shapes.append(tuple(batch.tokens.shape)) or real(batch, *rest, **kw)
-    res = eng.step(DrafterStep(2, [DraftItem("a", 4, [6], [], ChainShape(1)), DraftItem("new", 60, new, [], ChainShape(1)),
+    eng.runner.forward = lambda batch, *rest, **kw: (shapes.append(tuple(batch.tokens.shape))
+                                                     or real(batch, *rest, **kw))
+    res = eng.step(DrafterStep(2, [DraftItem("a", 4, [6], [], ChainShape(1)),
+                                   DraftItem("new", 60, new, [], ChainShape(1)),
                                    DraftItem("b", 5, [7, 6, 5], [], ChainShape(1))]))
     assert not res.errors
     assert sorted(shapes) == [(1, 60), (2, 3)]

@@ -292,8 +292,8 @@ def test_a_prompt_is_fed_apart_from_the_catch_ups(checkpoints, tmp_path, monkeyp
     eng = engine(target, head_dir)
     aux = eng.head.spec.aux_layers
     ctx = {"a": [3, 4, 5], "b": [9, 8], "new": [(13 * i) % 300 + 1 for i in range(20)]}
-    eng.step(DrafterStep(1, [DraftItem(s, len(ctx[s]), ctx[s], [], ChainShape(2), hidden=target_states(target, aux, ctx[s]))
-                             for s in "ab"]))
+    eng.step(DrafterStep(1, [DraftItem(s, len(ctx[s]), ctx[s], [], ChainShape(2),
+                                       hidden=target_states(target, aux, ctx[s])) for s in "ab"]))
     shapes, real = [], module.real_pairs_forward
     monkeypatch.setattr(module, "real_pairs_forward", lambda head, embed, cache, tokens, *rest, **kw:
                         shapes.append(tuple(tokens.shape)) or real(head, embed, cache, tokens, *rest, **kw))

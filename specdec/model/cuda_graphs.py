@@ -78,7 +78,8 @@ class GraphedForward:
         self.last_logit = last_logit
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.query_lens = tuple(sorted(n for n in query_lens if n <= slot_len))
-        self.pairs = [(b, n) for b in self.batch_sizes for n in self.query_lens if max_tokens is None or b * n <= max_tokens]
+        self.pairs = [(b, n) for b in self.batch_sizes for n in self.query_lens
+                      if max_tokens is None or b * n <= max_tokens]
         self.graphs: dict[tuple[int, int], _Graph] = {}
         # one flat buffer each, every graph writing a [b, n or 1, ...] view of its start
         logit_rows = max((b * (1 if last_logit else n) for b, n in self.pairs), default=0)
