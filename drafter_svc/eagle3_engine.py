@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from drafter_svc.engine import DRAFT_SLACK, admit, apply_item, split_by_shape
+from drafter_svc.engine import DRAFT_SLACK, admit, apply_item, prompts_apart, split_by_shape
 from drafter_svc.tree_draft import expand, to_trees
 from drafter_svc.types import Draft, DrafterStep, DrafterStepResult, DraftItem, TreeShape
 from specdec.errors import ErrorCode, SequenceError
@@ -134,21 +134,10 @@ class Eagle3DrafterEngine:
             rows.append(pending[pending.shape[0] - len(feeds[-1]):])
             self.fed[s.seq_id] = len(s.tokens) - 1
             self.rows[s.seq_id] = pending[-1:]  # keep the last: the next step may need its output again
-        # Prompts (long feeds) apart from the one-step catch-ups: one padded forward of both would
-        # feed every sequence (target states included) as many pairs as the longest prompt.
-        short = [i for i, f in enumerate(feeds) if len(f) <= CATCH_UP_PAIRS]
-        if len(short) in (0, len(feeds)):
-            return self._pairs_forward(starts, feeds, rows, slots)
-        long = [i for i, f in enumerate(feeds) if len(f) > CATCH_UP_PAIRS]
-        logits = out = None
-        for group, staging in ((short, "hidden"), (long, "prompt hidden")):   # two buffers: both uploads in flight
-            part = self._pairs_forward([starts[i] for i in group], [feeds[i] for i in group],
-                                       [rows[i] for i in group], slots[group], staging)
-            if logits is None:
-                logits, out = (p.new_empty(len(feeds), p.shape[-1]) for p in part)
-            index = upload(torch.tensor(group, dtype=torch.long), self.device)
-            logits[index], out[index] = part
-        return logits, out
+        # a staging buffer per group: both groups' uploads may be in flight at once
+        return prompts_apart([len(f) for f in feeds], CATCH_UP_PAIRS, self.device, lambda some, group: (
+            self._pairs_forward([starts[i] for i in some], [feeds[i] for i in some], [rows[i] for i in some],
+                                slots[some], ("hidden", "prompt hidden")[group])))
 
     def _pairs_forward(self, starts: list[int], feeds: list[list[int]], rows: list[torch.Tensor],
                        slots: torch.Tensor, staging: str = "hidden") -> tuple[torch.Tensor, torch.Tensor]:

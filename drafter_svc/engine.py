@@ -101,19 +101,8 @@ class DrafterEngine:
             states.append(s)
             starts.append(common)
             feeds.append(feed)
-        # Prompts (long feeds) apart from the one-step catch-ups: one padded forward of both would
-        # feed every sequence as many tokens as the longest prompt.
-        short = [i for i, f in enumerate(feeds) if len(f) <= max(DEFAULT_QUERY_LENS)]
-        if len(short) in (0, len(feeds)):
-            return self._feed(states, starts, feeds)
-        long = [i for i, f in enumerate(feeds) if len(f) > max(DEFAULT_QUERY_LENS)]
-        logits = None
-        for group in (short, long):
-            part = self._feed([states[i] for i in group], [starts[i] for i in group], [feeds[i] for i in group])
-            if logits is None:
-                logits = part.new_empty(len(feeds), part.shape[-1])
-            logits[upload_list(group, self.device)] = part
-        return logits
+        return prompts_apart([len(f) for f in feeds], max(DEFAULT_QUERY_LENS), self.device, lambda rows, _: (
+            self._feed([states[i] for i in rows], [starts[i] for i in rows], [feeds[i] for i in rows]),))[0]
 
     def _feed(self, states: list[SequenceState], starts: list[int], feeds: list[list[int]]) -> torch.Tensor:
         """One forward feeding feeds[i] at KV position starts[i] of states[i] -> logits after each
@@ -229,6 +218,25 @@ def apply_item(table: SequenceTable, item: DraftItem, slot_len: int,
         return SequenceError(item.seq_id, ErrorCode.OUT_OF_CAPACITY,
                              f"sequence reached the drafter's context limit {max_context}")
     return state
+
+
+def prompts_apart(lengths: list[int], limit: int, device: torch.device, forward) -> tuple[torch.Tensor, ...]:
+    """Feeds of `lengths` tokens: forward(rows, group) -> per-row outputs ([len(rows), ...] each),
+    once for all rows, or, when some feeds are prompts (longer than `limit`) and some are not, once
+    for the short feeds (group 0) and once for the prompts (group 1), the outputs put back in row
+    order. One padded forward of both would feed every sequence as many tokens as the longest prompt."""
+    short = [i for i, n in enumerate(lengths) if n <= limit]
+    if len(short) in (0, len(lengths)):
+        return forward(list(range(len(lengths))), 0)
+    outs = None
+    for group, rows in enumerate((short, [i for i, n in enumerate(lengths) if n > limit])):
+        parts = forward(rows, group)
+        if outs is None:
+            outs = tuple(p.new_empty(len(lengths), *p.shape[1:]) for p in parts)
+        index = upload_list(rows, device)
+        for out, part in zip(outs, parts):
+            out[index] = part
+    return outs
 
 
 def split_by_shape(ready: list[tuple[SequenceState, DraftItem]]) -> tuple[list[int], dict[TreeShape, list[int]]]:
