@@ -23,7 +23,7 @@ from drafter_svc.types import (
 )
 from specdec.errors import ErrorCode, SequenceError
 from specdec.limits import MAX_CHAIN_K, MAX_DRAFTED_CHAIN, MAX_TREE_DEPTH, MAX_TREE_TOPK
-from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded, upload, upload_list
+from specdec.model.batch import ForwardBatch, causal_region, upload, upload_list, upload_packed
 from specdec.model.cuda_graphs import DEFAULT_QUERY_LENS
 from specdec.model.runner import ModelRunner
 from specdec.sampling import DRAFT, SamplingParams, processed_probs, sample_from, seed_tensor, uniforms
@@ -70,10 +70,10 @@ class DrafterEngine:
         if chains:
             drafted.update(zip(chains, self._draft_chains(
                 [ready[i][0] for i in chains], [ready[i][1].shape.k for i in chains],
-                [ready[i][1].sampling for i in chains], last_logits[chains])))
+                [ready[i][1].sampling for i in chains], rows_of(last_logits, chains))))
         for shape, group in trees.items():  # one batched expansion per tree shape
             states = [ready[i][0] for i in group]
-            expanded = expand_trees(self.runner, states, shape, last_logits[group], self.draft_graphs)
+            expanded = expand_trees(self.runner, states, shape, rows_of(last_logits, group), self.draft_graphs)
             drafted.update(zip(group, expanded))
         for i, (s, it) in enumerate(ready):
             result.drafts.append(Draft(s.seq_id, len(s.tokens), len(it.assumed_ids), drafted[i]))
@@ -108,11 +108,12 @@ class DrafterEngine:
         """One forward feeding feeds[i] at KV position starts[i] of states[i] -> logits after each
         feed's last token [B, V]: by graph replay (all positions) for short feeds, else the last
         position only (a prompt: a prefill graph where one fits)."""
-        tokens, lengths = ragged_to_padded(feeds, 0, self.device)
-        n = tokens.shape[1]
-        start = upload_list(starts, self.device)
+        n = max(len(f) for f in feeds)
+        tokens, lengths, start, slots = upload_packed([  # one host-to-device copy
+            torch.tensor([f + [0] * (n - len(f)) for f in feeds], dtype=torch.long),
+            torch.tensor([len(f) for f in feeds], dtype=torch.long), torch.tensor(starts, dtype=torch.long),
+            torch.tensor([s.slot for s in states], dtype=torch.long)], self.device)
         pos = self._in_slot(start[:, None] + torch.arange(n, device=self.device))
-        slots = self.table.slots(states, self.device)
         kv_len = min(max(starts) + n, self.slot_len)
         batch = ForwardBatch.build(tokens, pos, slots, pos, start, causal_region(lengths, n), kv_len=kv_len)
         if self.draft_graphs is not None and n <= max(DEFAULT_QUERY_LENS):  # all positions, by graph replay
@@ -132,9 +133,9 @@ class DrafterEngine:
         """Chains of ks[i] tokens, one batched single-token forward per extra token: greedy, or
         sampled from each row's top-PROPOSAL_K draft distribution (returned as proposals)."""
         steps = max(ks)
-        slots = self.table.slots(states, self.device)
         written = [len(s.kv_tokens) for s in states]
-        pos = upload_list(written, self.device)  # next write position
+        slots, pos = upload_packed([torch.tensor([s.slot for s in states], dtype=torch.long),   # pos: next write
+                                    torch.tensor(written, dtype=torch.long)], self.device)         # position
         sampling = not all(p.greedy for p in params)
         graphed = None if sampling or self.draft_graphs is None else self.draft_graphs.chain(logits, pos, slots, steps)
         if graphed is not None:
@@ -237,6 +238,11 @@ def prompts_apart(lengths: list[int], limit: int, device: torch.device, forward)
         for out, part in zip(outs, parts):
             out[index] = part
     return outs
+
+
+def rows_of(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows] for a host list of row indices, without an upload where the rows are all of t."""
+    return t if rows == list(range(t.shape[0])) else t[upload_list(rows, t.device)]
 
 
 def split_by_shape(ready: list[tuple[SequenceState, DraftItem]]) -> tuple[list[int], dict[TreeShape, list[int]]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdec.model.batch import upload, upload_list
@@ -52,20 +53,22 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return torch.where(greedy[:, None, None], one_hot, probs)
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (int64 tensors holding values < 2**32)."""
+def _mix(x):
+    """A 32-bit integer hash (int64 tensors or numpy arrays holding values < 2**32)."""
     x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
     x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
     return (x >> 16) ^ x
 
 
-def uniforms(seeds: torch.Tensor, positions: torch.Tensor, salt: int | torch.Tensor) -> torch.Tensor:
-    """Uniform draws in (0, 1), float64: seeds [B] (int64 bit patterns), positions [B, m] -> [B, m]."""
+def uniforms(seeds, positions, salt):
+    """Uniform draws in (0, 1), float64: seeds [B] (int64 bit patterns), positions [B, m] -> [B, m].
+    Torch tensors on any device, or int64 numpy arrays for host-only callers (the same draws)."""
     lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
     key = _mix(_mix(lo ^ _mix(hi + 0x9E3779B9))[:, None] ^ (positions & MASK32)) ^ (salt * 0x85EBCA6B & MASK32)
-    a = _mix(key ^ 0x68E31DA4)          # two 32-bit draws -> 53 bits
-    c = _mix(key ^ 0xB5297A4D)
-    return ((a >> 5).double() * 67108864.0 + (c >> 6).double() + 0.5) / 9007199254740992.0
+    a = _mix(key ^ 0x68E31DA4) >> 5     # two 32-bit draws -> 53 bits
+    c = _mix(key ^ 0xB5297A4D) >> 6
+    a, c = (a.astype(np.float64), c.astype(np.float64)) if isinstance(a, np.ndarray) else (a.double(), c.double())
+    return (a * 67108864.0 + c + 0.5) / 9007199254740992.0
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
