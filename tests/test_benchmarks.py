@@ -109,6 +109,24 @@ def test_controlled_drafter_keeps_each_position_with_probability_a(checkpoints, 
     assert on_path == max(depth)  # a = 1: the whole path to the deepest node, and nothing else
 
 
+def test_host_keep_draws_equal_the_tensor_draws():
+    """The controlled drafter draws its keeps with numpy on the host: the same counter-based
+    draws as the torch path (seeds across the whole int64 range, positions past 2**32)."""
+    import numpy as np
+    import torch
+
+    from specdec.sampling import uniforms
+
+    gen = torch.Generator().manual_seed(0)
+    seeds = torch.cat([torch.randint(-(2 ** 63), 2 ** 63 - 1, (61,), generator=gen),
+                       torch.tensor([0, -1, 2 ** 63 - 1])])
+    positions = torch.randint(0, 2 ** 40, (64, 17), generator=gen)
+    for salt in (0, 0x4B45):
+        want = uniforms(seeds, positions, salt)
+        got = uniforms(seeds.numpy(), positions.numpy(), salt)
+        assert isinstance(got, np.ndarray) and torch.equal(torch.from_numpy(got), want)
+
+
 def test_tiny_concurrency_sweep_with_auto(tmp_path):
     """The sweep on tiny models: every mode and auto at each (a, C), auto lossless and turning
     speculation off at a = 0 and using it at a = 1, the section with its aims between its own markers."""

@@ -180,3 +180,19 @@ def test_a_prompt_is_fed_apart_from_the_catch_ups(checkpoints):
     for draft, ctx in zip(res.drafts, [a + [6], new, b + [7, 6, 5]]):
         fresh = engine(path).step(DrafterStep(1, [DraftItem("s", len(ctx), ctx, [], ChainShape(1))]))
         assert draft.tree.token_ids == fresh.drafts[0].tree.token_ids
+
+
+def test_chains_and_trees_in_one_step_draft_as_they_would_alone(checkpoints):
+    """A step mixing chains and two tree shapes (the engine holds 4 sequences): each group drafts from its own rows of the
+    catch-up's logits, so every draft equals the same item drafted alone by a fresh engine."""
+    path = checkpoints["llama-gqa"]
+    items = [DraftItem("a", 4, [1, 2, 3, 4], [], TreeShape(3, 3, 10)),
+             DraftItem("b", 5, [9, 8, 7, 6, 5], [], ChainShape(3)),
+             DraftItem("c", 3, [40, 41, 42], [], TreeShape(2, 2, 4)),
+             DraftItem("d", 6, [11, 12, 13, 14, 15, 16], [], ChainShape(2))]
+    together = engine(path).step(DrafterStep(1, items)).drafts
+    assert len(together) == 4
+    for item, draft in zip(items, together):
+        alone = engine(path).step(DrafterStep(1, [item])).drafts[0]
+        assert (draft.seq_id, draft.tree.token_ids, draft.tree.parents) == (
+            item.seq_id, alone.tree.token_ids, alone.tree.parents), item.seq_id
