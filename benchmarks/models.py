@@ -17,7 +17,7 @@ import os
 import random
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,7 +25,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-from random_checkpoint import SHAPES, write_checkpoint  # noqa: E402
+from random_checkpoint import SHAPES, write_checkpoint, write_eagle3_head  # noqa: E402
+
+from specdec.model.eagle3 import default_aux_layers, head_aux_layers  # noqa: E402
+from specdec.model.spec import ModelSpec  # noqa: E402
 
 # CPU shapes: the smallest that still have grouped-query attention, several layers and a real tree.
 TINY = {
@@ -96,6 +99,22 @@ def random_pair(root: Path, tiny: bool, device: str) -> ModelPair:
             torch.cuda.empty_cache()  # the served engines need that memory
         (folder / COMPLETE).touch()
     return ModelPair("8B/1B shapes, random weights" if not tiny else "tiny random", target, draft, True)
+
+
+def with_eagle3_head(pair: ModelPair) -> ModelPair:
+    """The random pair drafted for by a random EAGLE-3 head for its target (written once, next to it;
+    aux layers low, middle, high; a 32,000-token draft vocabulary on 128K, as published for Llama 3):
+    the controlled drafter rewrites its drafts as it does the draft model's, so the head's step cost
+    and the verifier's hidden-state traffic are what change."""
+    head = pair.target.parent / "eagle3-head"
+    if not (head / COMPLETE).exists():
+        shutil.rmtree(head, ignore_errors=True)
+        spec = ModelSpec.from_pretrained(pair.target)
+        outputs = tuple(i - 1 for i in default_aux_layers(spec.num_layers))   # the config names layer outputs
+        write_eagle3_head(pair.target, head, aux=outputs, draft_vocab=min(32000, spec.vocab_size // 4))
+        (head / COMPLETE).touch()
+    name = pair.name.replace("8B/1B shapes", "8B shapes + EAGLE-3 head") if "8B" in pair.name else f"{pair.name} + EAGLE-3 head"
+    return replace(pair, name=name, eagle3_head=head, aux_layers=head_aux_layers(head, pair.target))
 
 
 def planted_head(model: torch.nn.Module) -> None:

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from benchmarks import sweep_report
 from benchmarks.grid import CONFIGS, _cells, _ordered
-from benchmarks.models import REPO, EngineSettings, chat_prompts, random_pair, random_prompts
+from benchmarks.models import REPO, EngineSettings, chat_prompts, random_pair, random_prompts, with_eagle3_head
 from benchmarks.run import _gateway_cells, checkpoint_root, smollm2_pair, start_run
 from benchmarks.suite_state import SuiteState
 
@@ -54,6 +54,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     p.add_argument("--modes", nargs="+", choices=list(CONFIGS), default=list(MODES))
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--eagle3-drafter", action="store_true",
+                   help="random part: draft with a random EAGLE-3 head for the target instead of the 1B draft model "
+                        "(its drafts rewritten to the same controlled acceptance)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--waves", type=int, default=3, help="measured waves per row; the row is their median")
     p.add_argument("--requests-per-client", type=int, default=1,
@@ -122,6 +125,8 @@ def _random_part(a, cells, dtype: str, work: Path, state: SuiteState) -> None:
     try:
         with state.phase("checkpoints"):
             pair = random_pair(root, a.tiny, a.device)
+            if a.eagle3_drafter:
+                pair = with_eagle3_head(pair)
         prompts = random_prompts(most * a.requests_per_client, 512 if a.tiny else 128256, lengths, a.seed)
         ref_len = a.max_new_tokens + max(c.config.lookahead for c in cells)
         settings = EngineSettings(max_sequences=most, cuda_graphs=a.device == "cuda",

@@ -31,6 +31,7 @@ import struct
 
 import numpy as np
 
+from drafter_svc.eagle3_engine import Eagle3DrafterEngine
 from drafter_svc.engine import DrafterEngine
 from drafter_svc.types import DrafterStep, DrafterStepResult
 from specdec.config import ControlledAcceptance
@@ -47,10 +48,10 @@ def prompt_seed(seed: int, prompt: tuple[int, ...]) -> int:
     return int.from_bytes(digest, "little", signed=True)
 
 
-class ControlledAcceptanceDrafter(DrafterEngine):
-    def __init__(self, runner: ModelRunner, max_sequences: int, max_context: int,
-                 control: ControlledAcceptance | None = None) -> None:
-        super().__init__(runner, max_sequences, max_context)
+class ControlledRewrite:
+    """The rewrite, mixed into a drafter engine class (its step and close run first)."""
+
+    def _init_control(self, control: ControlledAcceptance | None) -> None:
         self._row_of: dict[str, int | None] = {}  # seq id -> reference row (None: no reference)
         self.control = control
 
@@ -75,7 +76,7 @@ class ControlledAcceptanceDrafter(DrafterEngine):
         self._seeds = np.array([prompt_seed(control.seed, p) for p, _ in refs], dtype=np.int64)
 
     def close(self, seq_ids: list[str]) -> None:
-        super().close(seq_ids)
+        super().close(seq_ids)  # the engine's
         for sid in seq_ids:
             self._row_of.pop(sid, None)
 
@@ -119,8 +120,26 @@ class ControlledAcceptanceDrafter(DrafterEngine):
         deepest = np.where(real, depth, -1).argmax(1)                         # first node of maximal depth
         on_path = ancestors[np.arange(len(drafts)), deepest] & real           # it and its ancestors
         keep = uniforms(self._seeds[rows], pos, KEEP) < self._control.acceptance
-        other = np.where(tokens == ref, (ref + 1) % self.runner.spec.vocab_size, tokens)
+        other = np.where(tokens == ref, (ref + 1) % self.table.vocab_size, tokens)
         new = np.where(has_ref, np.where(on_path & keep, ref, other), tokens)
         for d, row in zip(drafts, new[:, 1:].tolist()):
             tree = d.tree
             d.tree = DraftTree(row[: len(tree)], tree.parents, tree.logprobs)
+
+
+class ControlledAcceptanceDrafter(ControlledRewrite, DrafterEngine):
+    """A draft model's drafts, rewritten."""
+
+    def __init__(self, runner: ModelRunner, max_sequences: int, max_context: int,
+                 control: ControlledAcceptance | None = None) -> None:
+        DrafterEngine.__init__(self, runner, max_sequences, max_context)
+        self._init_control(control)
+
+
+class ControlledEagle3Drafter(ControlledRewrite, Eagle3DrafterEngine):
+    """An EAGLE-3 head's drafts, rewritten (build_eagle3_drafter(..., engine_class=this, control=...)):
+    the head's real step cost, the verifier's real hidden-state traffic, a known acceptance."""
+
+    def __init__(self, *args, control: ControlledAcceptance | None = None, **kwargs) -> None:
+        Eagle3DrafterEngine.__init__(self, *args, **kwargs)
+        self._init_control(control)

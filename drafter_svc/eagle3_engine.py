@@ -316,13 +316,15 @@ def head_tree(head: Eagle3Head, embed: torch.Tensor, cache: KVCache, root_logits
 
 
 def build_eagle3_drafter(target_dir, head_dir, dtype: torch.dtype, device: torch.device, max_sequences: int,
-                         max_context: int, hedge_predrafts: bool = False) -> Eagle3DrafterEngine:
-    """The head from head_dir (published layout) and the target's embeddings from target_dir."""
+                         max_context: int, hedge_predrafts: bool = False, engine_class: type | None = None,
+                         **extra) -> Eagle3DrafterEngine:
+    """The head from head_dir (published layout) and the target's embeddings from target_dir;
+    engine_class: a subclass to build instead (the benchmarks' controlled drafter), given `extra`."""
     from specdec.model.eagle3 import load_eagle3
     from specdec.model.loader import load_embeddings
     from specdec.model.spec import ModelSpec
 
     head = load_eagle3(head_dir, ModelSpec.from_pretrained(target_dir), dtype, device)
-    return Eagle3DrafterEngine(head, load_embeddings(target_dir, dtype, device), max_sequences, max_context,
-                               hedge_predrafts)
+    return (engine_class or Eagle3DrafterEngine)(head, load_embeddings(target_dir, dtype, device), max_sequences,
+                                                 max_context, hedge_predrafts, **extra)
 

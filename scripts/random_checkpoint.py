@@ -7,11 +7,13 @@ step time of a model does not depend on its weights), with the embedded tokenize
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 SHAPES = {
@@ -38,6 +40,44 @@ def write_checkpoint(shape: dict, out: str | Path, device: str, seed: int = 0, d
             edit(model)
     model.save_pretrained(out)
     return sum(x.numel() for x in model.parameters())
+
+
+def write_eagle3_head(target_dir: Path, out: Path, fmt: str = "safetensors", aux=(0, 1, 2), seed: int = 0,
+                      draft_vocab: int = 100) -> dict:
+    """A random EAGLE-3 head for the target at target_dir, saved like the published ones (config with
+    draft_vocab_size and aux layer ids; fc, midlayer, norm, lm_head, d2t, t2d); -> its weights."""
+    cfg = json.loads((target_dir / "config.json").read_text())
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = h // heads
+    cfg.update(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab,
+               eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux)})
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.2
+
+    targets = torch.randperm(cfg["vocab_size"], generator=g)[:draft_vocab].sort().values
+    t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
+    t2d[targets] = True
+    state = {
+        "fc.weight": w(h, 3 * h),
+        "midlayer.input_layernorm.weight": 1 + w(h), "midlayer.hidden_norm.weight": 1 + w(h),
+        "midlayer.post_attention_layernorm.weight": 1 + w(h),
+        "midlayer.self_attn.q_proj.weight": w(heads * d, 2 * h), "midlayer.self_attn.k_proj.weight": w(kv * d, 2 * h),
+        "midlayer.self_attn.v_proj.weight": w(kv * d, 2 * h), "midlayer.self_attn.o_proj.weight": w(h, heads * d),
+        "midlayer.mlp.gate_proj.weight": w(inter, h), "midlayer.mlp.up_proj.weight": w(inter, h),
+        "midlayer.mlp.down_proj.weight": w(h, inter),
+        "norm.weight": 1 + w(h), "lm_head.weight": w(draft_vocab, h),
+        "d2t": targets - torch.arange(draft_vocab), "t2d": t2d,
+    }
+    if fmt == "safetensors":
+        save_file(state, str(out / "model.safetensors"))
+    else:
+        torch.save(state, out / "pytorch_model.bin")
+    return state
 
 
 def main() -> None:

@@ -64,22 +64,28 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
         from drafter_svc.servicer import DrafterServicer
         from drafter_svc.warmup import warm_up
 
+        if cfg.controlled is not None:  # benchmarks: known acceptance, real draft cost
+            log.warning("controlled acceptance: drafts are rewritten towards reference outputs (benchmarks only)",
+                        acceptance=cfg.controlled.acceptance, seed=cfg.controlled.seed,
+                        references=len(cfg.controlled.references))
         if eagle3:
             from drafter_svc.eagle3_engine import build_eagle3_drafter
 
+            controlled = {}
+            if cfg.controlled is not None:
+                from drafter_svc.controlled import ControlledEagle3Drafter
+
+                controlled = dict(engine_class=ControlledEagle3Drafter, control=cfg.controlled)
             engine = build_eagle3_drafter(cfg.model_dir, cfg.eagle3_head, DTYPES[cfg.dtype], torch.device(cfg.device),
-                                          cfg.max_sequences, cfg.max_context, cfg.hedge_predrafts)
+                                          cfg.max_sequences, cfg.max_context, cfg.hedge_predrafts, **controlled)
             log.info("EAGLE-3 head", head=str(cfg.eagle3_head), aux_layers=list(engine.head.spec.aux_layers),
                      hedge_predrafts=cfg.hedge_predrafts)
             info.aux_hidden_layers.extend(engine.head.spec.aux_layers)
         elif cfg.controlled is None:
             engine = DrafterEngine(runner, cfg.max_sequences, cfg.max_context)
-        else:  # benchmarks: known acceptance, real draft cost
+        else:
             from drafter_svc.controlled import ControlledAcceptanceDrafter
 
-            log.warning("controlled acceptance: drafts are rewritten towards reference outputs (benchmarks only)",
-                        acceptance=cfg.controlled.acceptance, seed=cfg.controlled.seed,
-                        references=len(cfg.controlled.references))
             engine = ControlledAcceptanceDrafter(runner, cfg.max_sequences, cfg.max_context, cfg.controlled)
         if cfg.hedge_predrafts and not eagle3:
             log.warning("--hedge-predrafts: only an EAGLE-3 head hedges; this draft model pre-drafts one branch")

@@ -109,6 +109,40 @@ def test_controlled_drafter_keeps_each_position_with_probability_a(checkpoints, 
     assert on_path == max(depth)  # a = 1: the whole path to the deepest node, and nothing else
 
 
+def test_controlled_eagle3_drafter_rewrites_the_heads_drafts(checkpoints, tmp_path):
+    """The benchmarks' EAGLE-3 variant: the head drafts from (random) hidden states, and the same
+    rewrite makes each chain position the reference with probability a (a = 1: every position)."""
+    import random
+
+    import torch
+    from test_eagle3_head import write_head
+
+    from drafter_svc.controlled import ControlledEagle3Drafter
+    from drafter_svc.eagle3_engine import build_eagle3_drafter
+    from drafter_svc.types import ChainShape, DraftItem, DrafterStep
+    from specdec.config import ControlledAcceptance
+
+    target = checkpoints["llama-gqa"]
+    write_head(target, tmp_path / "head")
+    rng = random.Random(4)
+    refs = [([rng.randrange(3, 384) for _ in range(5)], [rng.randrange(3, 384) for _ in range(40)]) for _ in range(3)]
+    path = tmp_path / "ref.json"
+    ControlledAcceptance.write_references(path, refs)
+    for a, lo, hi in ((0.6, 0.45, 0.75), (1.0, 1.0, 1.0)):
+        eng = build_eagle3_drafter(target, tmp_path / "head", torch.float64, torch.device("cpu"), 4, 128,
+                                   engine_class=ControlledEagle3Drafter,
+                                   control=ControlledAcceptance.from_file(path, a, seed=2))
+        assert isinstance(eng, ControlledEagle3Drafter)
+        kept = []
+        for i, (p, o) in enumerate(refs):
+            committed = p + o[:1]
+            hidden = torch.randn(len(committed) - 1, eng.aux_width, dtype=torch.float64)
+            draft = eng.step(DrafterStep(1, [DraftItem(f"s{i}", len(committed), committed, [], ChainShape(16),
+                                                       hidden=hidden)])).drafts[0].tree
+            kept += [t == o[1 + j] for j, t in enumerate(draft.token_ids)]
+        assert len(kept) == 48 and lo <= sum(kept) / len(kept) <= hi, (a, sum(kept) / len(kept))
+
+
 def test_host_keep_draws_equal_the_tensor_draws():
     """The controlled drafter draws its keeps with numpy on the host: the same counter-based
     draws as the torch path (seeds across the whole int64 range, positions past 2**32)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,44 +20,16 @@ from specdec.model.eagle3 import default_aux_layers, load_eagle3
 from specdec.model.kv_cache import KVCache
 from specdec.model.spec import ModelSpec
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from random_checkpoint import write_eagle3_head  # noqa: E402
+
 DRAFT_VOCAB = 100
 
 
 def write_head(target_dir: Path, out: Path, fmt: str = "safetensors", aux=(0, 1, 2), seed: int = 0,
                draft_vocab: int = DRAFT_VOCAB) -> dict:
-    """A random head for the target at target_dir, saved like the published ones; -> its weights."""
-    cfg = json.loads((target_dir / "config.json").read_text())
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = h // heads
-    cfg.update(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab,
-               eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux)})
-    out.mkdir(parents=True)
-    (out / "config.json").write_text(json.dumps(cfg))
-    g = torch.Generator().manual_seed(seed)
-
-    def w(*shape):
-        return torch.randn(*shape, generator=g) * 0.2
-
-    targets = torch.randperm(cfg["vocab_size"], generator=g)[:draft_vocab].sort().values
-    t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
-    t2d[targets] = True
-    state = {
-        "fc.weight": w(h, 3 * h),
-        "midlayer.input_layernorm.weight": 1 + w(h), "midlayer.hidden_norm.weight": 1 + w(h),
-        "midlayer.post_attention_layernorm.weight": 1 + w(h),
-        "midlayer.self_attn.q_proj.weight": w(heads * d, 2 * h), "midlayer.self_attn.k_proj.weight": w(kv * d, 2 * h),
-        "midlayer.self_attn.v_proj.weight": w(kv * d, 2 * h), "midlayer.self_attn.o_proj.weight": w(h, heads * d),
-        "midlayer.mlp.gate_proj.weight": w(inter, h), "midlayer.mlp.up_proj.weight": w(inter, h),
-        "midlayer.mlp.down_proj.weight": w(h, inter),
-        "norm.weight": 1 + w(h), "lm_head.weight": w(draft_vocab, h),
-        "d2t": targets - torch.arange(draft_vocab), "t2d": t2d,
-    }
-    if fmt == "safetensors":
-        save_file(state, str(out / "model.safetensors"))
-    else:
-        torch.save(state, out / "pytorch_model.bin")
-    return state
+    """A random head for the target at target_dir (scripts/random_checkpoint.py); -> its weights."""
+    return write_eagle3_head(target_dir, out, fmt, aux, seed, draft_vocab)
 
 
 def reference(state: dict, cfg: dict, embeds: torch.Tensor, hidden: torch.Tensor):
