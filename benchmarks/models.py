@@ -113,7 +113,8 @@ def with_eagle3_head(pair: ModelPair) -> ModelPair:
         outputs = tuple(i - 1 for i in default_aux_layers(spec.num_layers))   # the config names layer outputs
         write_eagle3_head(pair.target, head, aux=outputs, draft_vocab=min(32000, spec.vocab_size // 4))
         (head / COMPLETE).touch()
-    name = pair.name.replace("8B/1B shapes", "8B shapes + EAGLE-3 head") if "8B" in pair.name else f"{pair.name} + EAGLE-3 head"
+    name = (pair.name.replace("8B/1B shapes", "8B shapes + EAGLE-3 head") if "8B/1B" in pair.name
+            else f"{pair.name} + EAGLE-3 head")
     return replace(pair, name=name, eagle3_head=head, aux_layers=head_aux_layers(head, pair.target))
 
 

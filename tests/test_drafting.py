@@ -183,8 +183,8 @@ def test_a_prompt_is_fed_apart_from_the_catch_ups(checkpoints):
 
 
 def test_chains_and_trees_in_one_step_draft_as_they_would_alone(checkpoints):
-    """A step mixing chains and two tree shapes (the engine holds 4 sequences): each group drafts from its own rows of the
-    catch-up's logits, so every draft equals the same item drafted alone by a fresh engine."""
+    """A step mixing chains and two tree shapes (the engine holds 4 sequences): each group drafts
+    from its own rows of the catch-up's logits, so every draft equals the item drafted alone."""
     path = checkpoints["llama-gqa"]
     items = [DraftItem("a", 4, [1, 2, 3, 4], [], TreeShape(3, 3, 10)),
              DraftItem("b", 5, [9, 8, 7, 6, 5], [], ChainShape(3)),
