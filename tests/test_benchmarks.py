@@ -223,3 +223,27 @@ def test_step_split_share_of_drafter_time_hidden():
     assert split(before, before) == {}                                    # no step between: nothing to say
     idle = dict(before, step=(1.5, 9))
     assert split(before, idle)["overlap_hidden"] is None                  # steps but no drafts (mode off)
+
+
+def test_profile_services_charges_samples_to_the_repositorys_functions():
+    """scripts/profile_services.py's reading of py-spy's raw stacks: inclusive shares count a
+    function once per stack, the innermost repository frame takes library time, lines come with
+    their callees; library-only stacks count as outside."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "scripts"))
+    from profile_services import by_line, innermost, summarize
+
+    raw = "\n".join([
+        "run (specdec/serving.py:92);step (drafter_svc/engine.py:70);step (drafter_svc/engine.py:70);"
+        "tolist (torch/_tensor.py:1) 6",
+        f"run (specdec/serving.py:92);_feed ({root}/drafter_svc/engine.py:120) 3",
+        "select (selectors.py:10) 1",
+    ])
+    assert summarize(raw, str(root)) == [(0.9, "run specdec/serving.py"), (0.6, "step drafter_svc/engine.py"),
+                                         (0.3, "_feed drafter_svc/engine.py")]
+    assert innermost(raw, str(root)) == [(0.6, "step drafter_svc/engine.py"), (0.3, "_feed drafter_svc/engine.py"),
+                                         (0.1, "(outside the repository)")]
+    assert by_line(raw, "step") == [(6, "70 -> tolist")]
