@@ -133,9 +133,9 @@ class DrafterEngine:
         """Chains of ks[i] tokens, one batched single-token forward per extra token: greedy, or
         sampled from each row's top-PROPOSAL_K draft distribution (returned as proposals)."""
         steps = max(ks)
-        written = [len(s.kv_tokens) for s in states]
-        slots, pos = upload_packed([torch.tensor([s.slot for s in states], dtype=torch.long),   # pos: next write
-                                    torch.tensor(written, dtype=torch.long)], self.device)         # position
+        written = [len(s.kv_tokens) for s in states]   # each chain's next KV write position
+        slots, pos = upload_packed([torch.tensor([s.slot for s in states], dtype=torch.long),
+                                    torch.tensor(written, dtype=torch.long)], self.device)
         sampling = not all(p.greedy for p in params)
         graphed = None if sampling or self.draft_graphs is None else self.draft_graphs.chain(logits, pos, slots, steps)
         if graphed is not None:
