@@ -23,7 +23,7 @@ from drafter_svc.types import (
 )
 from specdec.errors import ErrorCode, SequenceError
 from specdec.limits import MAX_CHAIN_K, MAX_DRAFTED_CHAIN, MAX_TREE_DEPTH, MAX_TREE_TOPK
-from specdec.model.batch import ForwardBatch, causal_region, upload, upload_list, upload_packed
+from specdec.model.batch import ForwardBatch, causal_region, rows_of, upload, upload_feeds, upload_list, upload_packed
 from specdec.model.cuda_graphs import DEFAULT_QUERY_LENS
 from specdec.model.runner import ModelRunner
 from specdec.sampling import DRAFT, SamplingParams, processed_probs, sample_from, seed_tensor, uniforms
@@ -108,11 +108,8 @@ class DrafterEngine:
         """One forward feeding feeds[i] at KV position starts[i] of states[i] -> logits after each
         feed's last token [B, V]: by graph replay (all positions) for short feeds, else the last
         position only (a prompt: a prefill graph where one fits)."""
-        n = max(len(f) for f in feeds)
-        tokens, lengths, start, slots = upload_packed([  # one host-to-device copy
-            torch.tensor([f + [0] * (n - len(f)) for f in feeds], dtype=torch.long),
-            torch.tensor([len(f) for f in feeds], dtype=torch.long), torch.tensor(starts, dtype=torch.long),
-            torch.tensor([s.slot for s in states], dtype=torch.long)], self.device)
+        tokens, lengths, start, slots = upload_feeds(feeds, starts, [s.slot for s in states], self.device)
+        n = tokens.shape[1]
         pos = self._in_slot(start[:, None] + torch.arange(n, device=self.device))
         kv_len = min(max(starts) + n, self.slot_len)
         batch = ForwardBatch.build(tokens, pos, slots, pos, start, causal_region(lengths, n), kv_len=kv_len)
@@ -238,11 +235,6 @@ def prompts_apart(lengths: list[int], limit: int, device: torch.device, forward)
         for out, part in zip(outs, parts):
             out[index] = part
     return outs
-
-
-def rows_of(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """t[rows] for a host list of row indices, without an upload where the rows are all of t."""
-    return t if rows == list(range(t.shape[0])) else t[upload_list(rows, t.device)]
 
 
 def split_by_shape(ready: list[tuple[SequenceState, DraftItem]]) -> tuple[list[int], dict[TreeShape, list[int]]]:

@@ -13,7 +13,7 @@ import torch
 from kernels.greedy_accept import greedy_accept
 from kernels.spec_sampling import child_table, spec_sample
 from specdec.errors import ErrorCode, SequenceError
-from specdec.model.batch import ForwardBatch, causal_region, ragged_to_padded, upload, upload_list
+from specdec.model.batch import ForwardBatch, causal_region, rows_of, upload, upload_feeds, upload_list
 from specdec.model.runner import ModelRunner
 from specdec.sampling import ACCEPT, RESIDUAL, processed_probs, sample_from, seed_tensor, uniforms
 from specdec.sequence_table import SequenceState, SequenceTable
@@ -113,15 +113,15 @@ class VerifierEngine:
         chunks = self.prefills.take()
         leaders = [c.entry.state for c in chunks]
         self.prefill_tokens_computed += sum(c.end - c.start for c in chunks)
-        tokens, lengths = ragged_to_padded([s.tokens[c.start:c.end] for s, c in zip(leaders, chunks)], 0, self.device)
-        n = tokens.shape[1]
-        starts = upload_list([c.start for c in chunks], self.device)                   # [L]
+        tokens, lengths, starts, slots = upload_feeds([s.tokens[c.start:c.end] for s, c in zip(leaders, chunks)],
+                                                      [c.start for c in chunks], [s.slot for s in leaders], self.device)
+        n = tokens.shape[1]                                                            # tokens [L, n]
         positions = starts[:, None] + torch.arange(n, device=self.device)             # [L, n]
         # Padding past a short chunk of a late prompt would land past the slot's end: park it in
         # the slot's last position, which no live query of this sequence reads.
         write_pos = positions.clamp(max=self.kv_capacity - 1)
         batch = ForwardBatch.build(
-            tokens, positions, self.table.slots(leaders, self.device), write_pos, starts,
+            tokens, positions, slots, write_pos, starts,
             causal_region(lengths, n), kv_len=min(max(c.start for c in chunks) + n, self.kv_capacity),
         )
         logits, aux = self._forward(batch, logit_index=(lengths - 1)[:, None])  # [L, 1, V], [L, n, A] or None
@@ -142,7 +142,8 @@ class VerifierEngine:
                                     self.table.slots([f for _, f in shared], self.device),
                                     max(len(lead.tokens) for lead, _ in shared))
         answered = [(e.state, i, e.hidden) for i, e in done] + [(f, i, e.hidden) for i, e in done for f in e.followers]
-        first = self._sample_next([s for s, _, _ in answered], logits[[i for _, i, _ in answered], 0]).tolist()
+        rows = rows_of(logits[:, 0], [i for _, i, _ in answered])   # [A, V]: a row per sequence answered
+        first = self._sample_next([s for s, _, _ in answered], rows).tolist()
         out = []
         for (s, _, h), tok in zip(answered, first):
             wanted = aux is not None and s.seq_id in self.hidden_wanted

@@ -67,13 +67,6 @@ def causal_region(lengths: torch.Tensor, n: int) -> torch.Tensor:
     return torch.where(real[:, :, None], causal & real[:, None, :], eye[None])
 
 
-def ragged_to_padded(seqs: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Python token lists -> ([B, n] padded tensor, [B] lengths); n = the longest list."""
-    n = max(len(s) for s in seqs)
-    padded = [s + [pad] * (n - len(s)) for s in seqs]
-    return upload(torch.tensor(padded, dtype=torch.long), device), upload_list([len(s) for s in seqs], device)
-
-
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without waiting for the device: pinned memory, non-blocking copy
     (a plain copy from pageable memory synchronises the stream)."""
@@ -85,6 +78,24 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def upload_list(values: list[int], device: torch.device) -> torch.Tensor:
     """[len(values)] int64 on `device`, see upload."""
     return upload(torch.tensor(values, dtype=torch.long), device)
+
+
+def upload_feeds(feeds: list[list[int]], starts: list[int], slots: list[int],
+                 device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A forward's ragged token feeds, their KV start positions and slots, in one host-to-device
+    copy -> (tokens [B, n] zero-padded to the longest feed, lengths [B], starts [B], slots [B])."""
+    n = max(len(f) for f in feeds)
+    return tuple(upload_packed([torch.tensor([f + [0] * (n - len(f)) for f in feeds], dtype=torch.long),
+                                torch.tensor([len(f) for f in feeds], dtype=torch.long),
+                                torch.tensor(starts, dtype=torch.long), torch.tensor(slots, dtype=torch.long)],
+                               device))
+
+
+def rows_of(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows] for a host list of row indices: no copy where the rows are all of t, else one
+    non-blocking upload (indexing with a Python list copies from pageable memory and so waits for
+    the stream: 0.5 ms of a drafter's batch-32 step on an H100)."""
+    return t if rows == list(range(t.shape[0])) else t[upload_list(rows, t.device)]
 
 
 def upload_packed(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
