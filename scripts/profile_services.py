@@ -65,25 +65,27 @@ def frame_key(frame: str) -> tuple[str, str, str]:
     return name, path, line
 
 
-def summarize(raw: str, root: str, top: int = 25) -> list[tuple[float, str]]:
-    """py-spy's raw output ('frame;frame;... count' per line) -> the `top` functions under `root`
-    (a path prefix) by inclusive share of all samples: [(share, 'function path'), ...]."""
-    inclusive: collections.Counter[str] = collections.Counter()
-    total = 0
+def stacks(raw: str):
+    """py-spy's raw output ('frame;frame;... count' per line) -> (frames, count) per stack."""
     for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        total += int(count)
+        if stack and count.isdigit():
+            yield stack.split(";"), int(count)
+
+
+def summarize(raw: str, root: str, top: int = 25) -> list[tuple[float, str]]:
+    """py-spy's raw output -> the `top` functions of the repository at `root` by inclusive share of
+    all samples: [(share, 'function path'), ...]."""
+    inclusive: collections.Counter[str] = collections.Counter()
+    total = 0
+    for frames, count in stacks(raw):
+        total += count
         seen = set()
-        for frame in stack.split(";"):
-            name, path, _ = frame_key(frame)
+        for name, path, _ in map(frame_key, frames):
             rel = ours(path, root)
-            if rel is not None:
-                key = f"{name} {rel}"
-                if key not in seen:   # recursion counts once
-                    seen.add(key)
-                    inclusive[key] += int(count)
+            if rel is not None and f"{name} {rel}" not in seen:   # recursion counts once
+                seen.add(f"{name} {rel}")
+                inclusive[f"{name} {rel}"] += count
     return [(n / total, key) for key, n in inclusive.most_common(top)] if total else []
 
 
@@ -92,15 +94,11 @@ def innermost(raw: str, root: str, top: int = 15) -> list[tuple[float, str]]:
     whose own code, or the library code it called (torch, grpc, ...), was running. [(share, key)]."""
     own: collections.Counter[str] = collections.Counter()
     total = 0
-    for line in raw.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        total += int(count)
-        mine = [(name, ours(path, root)) for name, path, _ in map(frame_key, stack.split(";"))]
+    for frames, count in stacks(raw):
+        total += count
+        mine = [(name, ours(path, root)) for name, path, _ in map(frame_key, frames)]
         mine = [(name, rel) for name, rel in mine if rel is not None]
-        key = f"{mine[-1][0]} {mine[-1][1]}" if mine else "(outside the repository)"
-        own[key] += int(count)
+        own[f"{mine[-1][0]} {mine[-1][1]}" if mine else "(outside the repository)"] += count
     return [(n / total, key) for key, n in own.most_common(top)] if total else []
 
 
@@ -108,16 +106,12 @@ def by_line(raw: str, function: str) -> list[tuple[int, str]]:
     """Samples per line of `function` (the innermost frame of it in each stack), with the callee
     that line was in: [(samples, 'line -> callee'), ...]."""
     lines: collections.Counter[str] = collections.Counter()
-    for line in raw.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        frames = stack.split(";")
+    for frames, count in stacks(raw):
         hits = [i for i, f in enumerate(frames) if frame_key(f)[0] == function]
         if hits:
             i = hits[-1]
             callee = frame_key(frames[i + 1])[0] if i + 1 < len(frames) else "(itself)"
-            lines[f"{frame_key(frames[i])[2]} -> {callee}"] += int(count)
+            lines[f"{frame_key(frames[i])[2]} -> {callee}"] += count
     return [(n, key) for key, n in lines.most_common(8)]
 
 
@@ -142,7 +136,8 @@ def main() -> None:
     print(f"sweep started (log: {a.out_dir / 'sweep.log'}); waiting for its rows", flush=True)
     while ROWS_STARTED not in (a.out_dir / "sweep.log").read_text(errors="replace"):
         if sweep.poll() is not None:
-            sys.exit(f"the sweep ended (code {sweep.returncode}) before its rows started: see {a.out_dir / 'sweep.log'}")
+            sys.exit(f"the sweep ended (code {sweep.returncode}) before its rows started: "
+                     f"see {a.out_dir / 'sweep.log'}")
         time.sleep(0.5)
     time.sleep(a.delay)
     pids = service_pids(sweep.pid)
@@ -157,7 +152,7 @@ def main() -> None:
     sweep.wait()
     for role in spies:
         raw = (a.out_dir / f"{role}.txt").read_text() if (a.out_dir / f"{role}.txt").exists() else ""
-        samples = sum(int(x.rpartition(" ")[2]) for x in raw.splitlines() if x.rpartition(" ")[2].isdigit())
+        samples = sum(count for _, count in stacks(raw))
         print(f"\n## {role}: {samples} samples in {a.seconds:.0f} s "
               f"(busy {samples / (a.rate * a.seconds):.0%} of the time)\n")
         print("inclusive (the function and all it calls):")
