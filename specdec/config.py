@@ -76,6 +76,7 @@ class EngineServiceConfig:
     prefill_chunk: int = 512         # verifier: prompt tokens prefilled per step over all sequences (0: whole)
     cpu_threads: int = 0             # on cpu: torch threads over all TP ranks (0: every available core)
     hedge_predrafts: bool = False    # drafter (EAGLE-3): overlap pre-drafts also for each earlier rejection
+    fold_prefill: bool = False       # verifier: prompt chunks ride in the verify forward as extra rows
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
@@ -118,6 +119,11 @@ class EngineServiceConfig:
                            help="prompt tokens prefilled per step over all new sequences, so a long prompt delays "
                                 "running streams by one chunk's forward per step, not by its whole prefill; "
                                 "0: whole prompts at once (env SPECDEC_PREFILL_CHUNK)")
+            p.add_argument("--fold-prefill", action=argparse.BooleanOptionalAction,
+                           default=env("FOLD_PREFILL", "0") not in ("0", "false", "no"),
+                           help="prompt chunks ride in the step's verify forward as extra rows (one pass over the "
+                                "weights, not two; graphs are captured for twice --max-sequences rows); "
+                                "experimental, not yet measured on a GPU (env SPECDEC_FOLD_PREFILL=1)")
             p.add_argument("--aux-hidden-layers", default=env("AUX_HIDDEN_LAYERS", ""),
                            help="comma-separated target layers (0..num_layers) whose input hidden states every "
                                 "verdict carries for the tokens it commits, for an EAGLE-3 drafter; e.g. 2,16,29 "
@@ -165,7 +171,7 @@ class EngineServiceConfig:
                    parse_layers(getattr(a, "aux_hidden_layers", "")),
                    Path(a.eagle3_head) if getattr(a, "eagle3_head", None) else None, a.cost_profile, a.metrics_listen, a.drain_seconds,
                    server_tls_from_args(a), getattr(a, "prefill_chunk", 0), a.cpu_threads,
-                   getattr(a, "hedge_predrafts", False))
+                   getattr(a, "hedge_predrafts", False), getattr(a, "fold_prefill", False))
 
 
 def parse_layers(text: str) -> tuple[int, ...]:

@@ -51,7 +51,7 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
 
         try:
             engine = VerifierEngine(runner, cfg.max_sequences, cfg.max_context, cfg.max_draft_tokens,
-                                    cfg.aux_hidden_layers, cfg.prefill_chunk)
+                                    cfg.aux_hidden_layers, cfg.prefill_chunk, cfg.fold_prefill)
         except ValueError as exc:
             raise SystemExit(f"verifier: {exc}") from exc
         info.max_context = engine.max_context
@@ -106,7 +106,7 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
                     await loop.run_in_executor(executor, engine.capture_cuda_graphs, log)
                 else:  # chains and trees of up to max_draft_tokens nodes plus the root
                     lens = tuple(n for n in DEFAULT_QUERY_LENS if n <= cfg.max_draft_tokens + 1)
-                    await loop.run_in_executor(executor, runner.capture_cuda_graphs, cfg.max_sequences, lens, log)
+                    await loop.run_in_executor(executor, runner.capture_cuda_graphs, engine.graph_rows, lens, log)
             log.info("warming up")
             await loop.run_in_executor(executor, warm_up, engine)
             if cfg.cost_profile:

@@ -84,11 +84,13 @@ def test_draft_equal_to_target_accepts_full_paths(self_drafted, checkpoints, mod
     assert s.overlap_hits == (steps if overlap else 0) and s.overlap_misses == 0
 
 
-def test_concurrent_requests_equal_their_solo_runs(checkpoints, start_cluster):
+@pytest.mark.parametrize("fold", [False, True], ids=["prefill-apart", "fold-prefill"])
+def test_concurrent_requests_equal_their_solo_runs(checkpoints, start_cluster, fold):
     """16 requests of different prompts, lengths and modes share batched steps; each output is
-    what the target alone produces for it."""
+    what the target alone produces for it. Also with --fold-prefill: prompts arriving while others
+    run are prefilled as extra rows of the verify forward."""
     target = checkpoints["llama-gqa"]
-    cluster = start_cluster(target, checkpoints["llama-gqa/draft"])
+    cluster = start_cluster(target, checkpoints["llama-gqa/draft"], verifier_extra=["--fold-prefill"] if fold else [])
     jobs = []
     for i in range(16):
         prompt = [(7 * i + j * 13) % 380 + 2 for j in range(3 + i % 5 * 4)]

@@ -18,16 +18,18 @@ from specdec.model.runner import ModelRunner
 from specdec.sampling import ACCEPT, RESIDUAL, processed_probs, sample_from, seed_tensor, uniforms
 from specdec.sequence_table import SequenceState, SequenceTable
 from specdec.tree import pack_proposals, pack_trees
-from verifier_svc.prefill import PrefillQueue
+from verifier_svc.prefill import Chunk, PrefillQueue, chunk_rows
 from verifier_svc.types import Verdict, VerifierStep, VerifierStepResult, VerifyItem
 
 
 class VerifierEngine:
     def __init__(self, runner: ModelRunner, max_sequences: int, max_context: int, max_draft_tokens: int,
-                 aux_layers: tuple[int, ...] = (), prefill_chunk: int = 0) -> None:
+                 aux_layers: tuple[int, ...] = (), prefill_chunk: int = 0, fold_prefill: bool = False) -> None:
         """aux_layers: target layers (0..num_layers) whose input hidden states every verdict carries
         for the positions it committed (for an EAGLE-3 drafter); empty = none. prefill_chunk: prompt
-        tokens prefilled per step over all sequences (0: whole prompts in the step they open)."""
+        tokens prefilled per step over all sequences (0: whole prompts in the step they open).
+        fold_prefill: a step's prompt chunks ride in its verify forward as extra rows, up to
+        `graph_rows` rows in all, instead of a forward of their own (one pass over the weights)."""
         spec = runner.spec
         if not all(0 <= i <= spec.num_layers for i in aux_layers):
             raise ValueError(f"aux hidden-state layers {list(aux_layers)} must lie in 0..{spec.num_layers}")
@@ -42,6 +44,8 @@ class VerifierEngine:
         runner.allocate_kv(max_sequences, self.kv_capacity)
         self.table = SequenceTable(max_sequences, spec.vocab_size, self.max_context)
         self.prefills = PrefillQueue(prefill_chunk)
+        self.graph_rows = 2 * max_sequences if fold_prefill else max_sequences   # rows a verify forward may have
+        self.fold_prefill = fold_prefill
         self.prefill_tokens_computed = 0  # prompt tokens fed by prefills since start (host count, no sync)
 
     def close(self, seq_ids: list[str]) -> None:
@@ -68,8 +72,10 @@ class VerifierEngine:
                     self.hidden_wanted.add(o.seq_id)
                 opened.append((state, o.share_prefill_with))
         self.prefills.add(opened)
-        if self.prefills:
-            result.verdicts += self._prefill()
+        chunks = self.prefills.take() if self.prefills else []
+        if chunks and not self._foldable(chunks, req.verify):
+            result.verdicts += self._prefill(chunks)
+            chunks = []
         items: list[tuple[SequenceState, VerifyItem]] = []
         for item in req.verify:
             checked = self._check(item)
@@ -78,14 +84,24 @@ class VerifierEngine:
             else:
                 items.append((checked, item))
         if items:
-            result.verdicts += self._verify(items)
+            result.verdicts += self._verify(items, chunks)
+        elif chunks:   # every verify item was refused: nothing to ride on
+            result.verdicts += self._prefill(chunks)
         return result
+
+    def _foldable(self, chunks: list[Chunk], verify: list[VerifyItem]) -> bool:
+        """Whether this step's prompt chunks fit as rows of its verify forward (as wide as its widest
+        draft tree, root included) within the rows its graphs were captured for."""
+        if not (self.fold_prefill and verify):
+            return False
+        width = 1 + max(len(it.draft) for it in verify)
+        return len(verify) + sum(-(-(c.end - c.start) // width) for c in chunks) <= self.graph_rows
 
     def finish_prefills(self) -> list[Verdict]:
         """Start-up work and tools: run prefill chunks until no prompt is left half-prefilled."""
         verdicts = []
         while self.prefills:
-            verdicts += self._prefill()
+            verdicts += self._prefill(self.prefills.take())
         return verdicts
 
     def _check(self, item: VerifyItem) -> SequenceState | SequenceError:
@@ -107,12 +123,10 @@ class VerifierEngine:
                                  f"sequence reached the context limit {self.max_context}")
         return state
 
-    def _prefill(self) -> list[Verdict]:
-        """This step's prompt chunks in one forward; -> the first token of each prompt completed
-        (and of the sequences sharing it, which get a copy of its KV)."""
-        chunks = self.prefills.take()
+    def _prefill(self, chunks: list[Chunk]) -> list[Verdict]:
+        """This step's prompt chunks in a forward of their own; -> the first token of each prompt
+        completed (and of the sequences sharing it, which get a copy of its KV)."""
         leaders = [c.entry.state for c in chunks]
-        self.prefill_tokens_computed += sum(c.end - c.start for c in chunks)
         tokens, lengths, starts, slots = upload_feeds([s.tokens[c.start:c.end] for s, c in zip(leaders, chunks)],
                                                       [c.start for c in chunks], [s.slot for s in leaders], self.device)
         n = tokens.shape[1]                                                            # tokens [L, n]
@@ -125,12 +139,17 @@ class VerifierEngine:
             causal_region(lengths, n), kv_len=min(max(c.start for c in chunks) + n, self.kv_capacity),
         )
         logits, aux = self._forward(batch, logit_index=(lengths - 1)[:, None])  # [L, 1, V], [L, n, A] or None
+        return self._answer(chunks, logits[:, 0], None if aux is None else list(aux))
+
+    def _answer(self, chunks: list[Chunk], last_logits: torch.Tensor, aux: list[torch.Tensor] | None) -> list[Verdict]:
+        """The chunks ran (last_logits [L, V]: after each chunk's last token; aux: each chunk's
+        hidden-state rows, at least as many as its tokens): completed prompts are answered."""
+        self.prefill_tokens_computed += sum(c.end - c.start for c in chunks)
         self.prefills.advance(chunks)
         wants = lambda e: any(s.seq_id in self.hidden_wanted for s in (e.state, *e.followers))  # noqa: E731
         if aux is not None and any(wants(c.entry) for c in chunks):
-            aux = aux.cpu()
             for c, rows in zip(chunks, aux):
-                c.entry.hidden.append(rows[:c.end - c.start])
+                c.entry.hidden.append(rows[:c.end - c.start].cpu())
         done = [(i, c.entry) for i, c in enumerate(chunks) if c.completes]
         if not done:
             return []
@@ -142,7 +161,7 @@ class VerifierEngine:
                                     self.table.slots([f for _, f in shared], self.device),
                                     max(len(lead.tokens) for lead, _ in shared))
         answered = [(e.state, i, e.hidden) for i, e in done] + [(f, i, e.hidden) for i, e in done for f in e.followers]
-        rows = rows_of(logits[:, 0], [i for _, i, _ in answered])   # [A, V]: a row per sequence answered
+        rows = rows_of(last_logits, [i for _, i, _ in answered])   # [A, V]: a row per sequence answered
         first = self._sample_next([s for s, _, _ in answered], rows).tolist()
         out = []
         for (s, _, h), tok in zip(answered, first):
@@ -166,7 +185,9 @@ class VerifierEngine:
         pos = upload_list([len(s.tokens) for s in states], self.device)[:, None]
         return sample_from(probs, uniforms(seed_tensor(params, self.device), pos, RESIDUAL)[:, 0])
 
-    def _verify(self, items: list[tuple[SequenceState, VerifyItem]]) -> list[Verdict]:
+    def _verify(self, items: list[tuple[SequenceState, VerifyItem]], chunks: list[Chunk]) -> list[Verdict]:
+        """The items' draft trees in one forward, with this step's prompt chunks as extra rows
+        when they ride along (fold_prefill); -> the prompts' verdicts, then the items'."""
         states = [s for s, _ in items]
         trees = pack_trees([s.tokens[-1] for s in states], [it.draft for _, it in items], self.device)
         n = trees.tokens.shape[1]
@@ -178,7 +199,14 @@ class VerifierEngine:
             kv_start[:, None] + torch.arange(n, device=self.device), kv_start, trees.ancestors,
             kv_len=max(starts) + n,
         )
-        logits, aux = self._forward(batch)  # [B, n, V], [B, n, A] or None
+        prompt_rows = self._with_prompt_rows(batch, chunks) if chunks else None
+        logits, aux = self._forward(batch if prompt_rows is None else prompt_rows[0])  # [B(+R), n, V], [.., A]
+        answered = []
+        if prompt_rows is not None:
+            b = len(states)
+            answered = self._answer(chunks, *self._prompt_outputs(logits[b:], None if aux is None else aux[b:],
+                                                                  chunks, *prompt_rows[1:]))
+            logits, aux = logits[:b], None if aux is None else aux[:b]
         params = [s.sampling for s in states]
         if all(p.greedy for p in params):
             verdict = greedy_accept(trees.tokens, trees.parents, trees.depth, trees.ancestors, trees.num_nodes,
@@ -220,4 +248,30 @@ class VerifierEngine:
             new = row[:a] + [bonus]
             s.tokens += new
             out.append(Verdict(s.seq_id, len(s.tokens), new, a, hidden[i][:a + 1] if i in hidden else None))
-        return out
+        return answered + out
+
+    def _with_prompt_rows(self, batch: ForwardBatch, chunks: list[Chunk]):
+        """The verify batch [B, n] with the chunks' tokens appended as rows of n (chunk_rows)
+        -> (the batch [B + R, n], each row's token count [R] (host), each chunk's last row)."""
+        n = batch.tokens.shape[1]
+        feeds, row_starts, row_slots, last = chunk_rows(chunks, n)
+        tokens, lengths, starts, slots = upload_feeds(feeds, row_starts, row_slots, self.device, width=n)
+        positions = starts[:, None] + torch.arange(n, device=self.device)             # [R, n]
+        # Padding past a short row near the slot's end parks in its last position (see _prefill).
+        combined = ForwardBatch.build(
+            torch.cat([batch.tokens, tokens]), torch.cat([batch.positions, positions]),
+            torch.cat([batch.slots, slots]), torch.cat([batch.write_pos, positions.clamp(max=self.kv_capacity - 1)]),
+            torch.cat([batch.prefix_len, starts]), torch.cat([batch.region_mask, causal_region(lengths, n)]),
+            kv_len=max(batch.kv_len, min(max(row_starts) + n, self.kv_capacity)))
+        return combined, [len(f) for f in feeds], last
+
+    def _prompt_outputs(self, logits: torch.Tensor, aux: torch.Tensor | None, chunks: list[Chunk], lengths: list[int],
+                        last: list[int]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """The prompt rows' logits [R, n, V] and aux [R, n, A] -> each chunk's logits after its last
+        token [L, V] and its hidden-state rows (its rows' positions in order)."""
+        cols = [lengths[r] - 1 for r in last]
+        last_logits = logits[upload_list(last, self.device), upload_list(cols, self.device)]
+        if aux is None:
+            return last_logits, None
+        firsts = [0] + [r + 1 for r in last[:-1]]
+        return last_logits, [aux[lo:hi + 1].flatten(0, 1) for lo, hi in zip(firsts, last)]

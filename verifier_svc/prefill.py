@@ -99,3 +99,21 @@ class PrefillQueue:
                 del self._entries[c.entry.state.seq_id]
                 for f in c.entry.followers:
                     del self._follower_of[f.seq_id]
+
+
+def chunk_rows(chunks: list[Chunk], width: int) -> tuple[list[list[int]], list[int], list[int], list[int]]:
+    """The chunks' tokens cut into rows of at most `width`, to ride in a verify forward whose rows are
+    that wide (each row a causal region after the KV its earlier rows write in the same forward)
+    -> (each row's tokens, its first KV position, its slot; each chunk's last row)."""
+    tokens: list[list[int]] = []
+    starts: list[int] = []
+    slots: list[int] = []
+    last: list[int] = []
+    for c in chunks:
+        state = c.entry.state
+        for lo in range(c.start, c.end, width):
+            tokens.append(state.tokens[lo:min(lo + width, c.end)])
+            starts.append(lo)
+            slots.append(state.slot)
+        last.append(len(tokens) - 1)
+    return tokens, starts, slots, last

@@ -80,11 +80,11 @@ def upload_list(values: list[int], device: torch.device) -> torch.Tensor:
     return upload(torch.tensor(values, dtype=torch.long), device)
 
 
-def upload_feeds(feeds: list[list[int]], starts: list[int], slots: list[int],
-                 device: torch.device) -> tuple[torch.Tensor, ...]:
+def upload_feeds(feeds: list[list[int]], starts: list[int], slots: list[int], device: torch.device,
+                 width: int = 0) -> tuple[torch.Tensor, ...]:
     """A forward's ragged token feeds, their KV start positions and slots, in one host-to-device
-    copy -> (tokens [B, n] zero-padded to the longest feed, lengths [B], starts [B], slots [B])."""
-    n = max(len(f) for f in feeds)
+    copy -> (tokens [B, n] zero-padded to the longest feed or `width`, lengths [B], starts [B], slots [B])."""
+    n = max(width, *(len(f) for f in feeds))
     return tuple(upload_packed([torch.tensor([f + [0] * (n - len(f)) for f in feeds], dtype=torch.long),
                                 torch.tensor([len(f) for f in feeds], dtype=torch.long),
                                 torch.tensor(starts, dtype=torch.long), torch.tensor(slots, dtype=torch.long)],

@@ -1,0 +1,97 @@
+"""Prompt chunks folded into the verify forward (`fold_prefill`): a step's prompt chunks ride in its
+verify forward as rows as wide as its draft trees, each after the KV its earlier rows write in the
+same forward. What comes out must be what a forward of their own gives: the same first tokens, the
+same verdicts for the running sequences (chains and trees), the same EAGLE-3 hidden states of the
+prompts, the same KV for a shared prompt's followers, with whole prompts and in chunks. And the
+folded steps must really run one forward."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdec.model.loader import load_model
+from specdec.model.runner import ModelRunner
+from specdec.tree import DraftTree
+from verifier_svc.engine import VerifierEngine
+from verifier_svc.types import OpenSequence, VerifierStep, VerifyItem
+
+AUX = (0, 2)
+
+
+class CountingRunner(ModelRunner):
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.forwards = 0
+
+    def forward_with_aux(self, batch, logit_index=None):
+        self.forwards += 1
+        return super().forward_with_aux(batch, logit_index)
+
+
+def engine(path, chunk: int, fold: bool) -> VerifierEngine:
+    runner = CountingRunner(load_model(path, torch.float64, torch.device("cpu")))
+    return VerifierEngine(runner, 6, 128, 8, aux_layers=AUX, prefill_chunk=chunk, fold_prefill=fold)
+
+
+def draft(rng: random.Random, tree: bool) -> DraftTree:
+    """A random chain of 4 or tree of 6 (mostly rejected: the verdicts still differ per position)."""
+    if tree:
+        return DraftTree([rng.randrange(380) for _ in range(6)], [0, 0, 1, 1, 2, 3])
+    return DraftTree([rng.randrange(380) for _ in range(4)], [0, 1, 2, 3])
+
+
+def scenario(eng: VerifierEngine, seed: int) -> list[tuple]:
+    """Two sequences running; prompts (one of them twice, shared) arrive at steps 1 and 4, each
+    then verified like the others once answered. -> every verdict and error, in order."""
+    rng = random.Random(seed)
+    arrivals = {1: [("p1", [(3 * i + 1) % 380 for i in range(23)], ""), ("p2", [(3 * i + 1) % 380 for i in range(23)], "p1")],
+                4: [("p3", [(11 * i + 5) % 380 for i in range(9)], ""), ("p4", [42], "")]}
+    out = []
+    res = eng.step(VerifierStep(0, open=[OpenSequence("r1", [1, 2, 3, 4, 5], want_hidden=True),
+                                         OpenSequence("r2", [9, 8, 7], want_hidden=True)]))
+    answered = {v.seq_id for v in res.verdicts}
+    for step in range(1, 12):
+        opens = [OpenSequence(sid, p, share_prefill_with=share, want_hidden=True)
+                 for sid, p, share in arrivals.get(step, [])]
+        verify = [VerifyItem(sid, len(eng.table.get(sid).tokens), draft(rng, tree=(sid in ("r2", "p3"))))
+                  for sid in sorted(answered)]
+        res = eng.step(VerifierStep(step, open=opens, verify=verify))
+        assert not res.errors, res.errors
+        for v in res.verdicts:
+            answered.add(v.seq_id)
+            out.append((step, v.seq_id, v.committed_len, tuple(v.accepted_ids), v.accepted_drafts,
+                        None if v.hidden is None else v.hidden.clone()))
+    return out
+
+
+@pytest.mark.parametrize("chunk", [0, 8])
+def test_folded_prompts_give_what_a_prefill_forward_gives(checkpoints, chunk):
+    path = checkpoints["llama-gqa"]
+    apart, folded = engine(path, chunk, fold=False), engine(path, chunk, fold=True)
+    want, got = scenario(apart, 3), scenario(folded, 3)
+    assert [w[:5] for w in want] == [g[:5] for g in got]
+    for w, g in zip(want, got):
+        assert (w[5] is None) == (g[5] is None), w[:2]
+        if w[5] is not None:
+            torch.testing.assert_close(g[5], w[5], rtol=1e-9, atol=1e-9, msg=f"hidden states of {w[1]} at {w[0]}")
+    # The prompts rode in the verify forwards: fewer forwards in all (and never more)
+    assert folded.runner.forwards < apart.runner.forwards
+    assert folded.prefill_tokens_computed == apart.prefill_tokens_computed
+
+
+def test_prompts_too_many_for_the_rows_get_a_forward_of_their_own(checkpoints):
+    """graph_rows (2 x max_sequences) bounds a folded forward: a prompt that would need more rows
+    runs apart, and still answers the same."""
+    path = checkpoints["llama-gqa"]
+    results = []
+    for fold in (False, True):
+        eng = engine(path, 0, fold)
+        eng.step(VerifierStep(0, open=[OpenSequence("r", [1, 2, 3])]))
+        long = [(5 * i) % 380 for i in range(60)]    # 60 tokens at width 1: 60 rows > 12
+        before = eng.runner.forwards
+        res = eng.step(VerifierStep(1, open=[OpenSequence("p", long)], verify=[VerifyItem("r", 4, DraftTree())]))
+        results.append(([(v.seq_id, tuple(v.accepted_ids)) for v in res.verdicts], eng.runner.forwards - before))
+    assert results[0] == results[1] and results[1][1] == 2
