@@ -50,9 +50,11 @@ class Placement:
 
 class Services:
     def __init__(self, pair: ModelPair, device: str, dtype: str, settings: EngineSettings, log_dir: Path,
-                 placement: Placement = Placement(), drafter_extra: tuple[str, ...] = ()) -> None:
+                 placement: Placement = Placement(), drafter_extra: tuple[str, ...] = (),
+                 verifier_extra: tuple[str, ...] = ()) -> None:
         self.pair = pair
         self.drafter_extra = list(drafter_extra)   # e.g. --hedge-predrafts
+        self.verifier_extra = list(verifier_extra)   # e.g. --fold-prefill
         self.base = [sys.executable, "-m", "specdec.cli"]
         self.engine_flags = ["--device", device, "--dtype", dtype, *settings.flags()]
         self.cpu = serve_flags()   # on the CPU, the cores shared as `specdec serve` does
@@ -76,7 +78,8 @@ class Services:
     def start_verifier(self) -> None:
         tp = ["--tp", str(self.placement.tp)] if self.placement.tp > 1 else []
         self._spawn("verifier", ["verifier", "--model", str(self.pair.target), *self.engine_flags, *tp,
-                                 *self.cpu["verifier"], *self.pair.verifier_flags()], self.placement.verifier_gpus)
+                                 *self.cpu["verifier"], *self.pair.verifier_flags(), *self.verifier_extra],
+                    self.placement.verifier_gpus)
 
     def add_gateway(self, acceptance: float | None, reference: Path | None = None, seed: int = 0) -> None:
         """A drafter (controlled when `reference` is given) and a gateway over it and the verifier."""

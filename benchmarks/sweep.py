@@ -54,6 +54,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     p.add_argument("--modes", nargs="+", choices=list(CONFIGS), default=list(MODES))
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--fold-prefill", action="store_true",
+                   help="start the verifier with --fold-prefill (prompt chunks ride in the verify forward)")
     p.add_argument("--eagle3-drafter", action="store_true",
                    help="random part: draft with a random EAGLE-3 head for the target instead of the 1B draft model "
                         "(its drafts rewritten to the same controlled acceptance)")
@@ -114,6 +116,10 @@ def drafter_extra(a) -> tuple[str, ...]:
     return ("--hedge-predrafts",) if a.hedge_predrafts else ()
 
 
+def verifier_extra(a) -> tuple[str, ...]:
+    return ("--fold-prefill",) if a.fold_prefill else ()
+
+
 def _random_part(a, cells, dtype: str, work: Path, state: SuiteState) -> None:
     from benchmarks.gateway_runs import Services
     from benchmarks.inprocess import load_engines, run_inprocess
@@ -134,7 +140,8 @@ def _random_part(a, cells, dtype: str, work: Path, state: SuiteState) -> None:
         state.meta.update(pair=pair.name, prompts=f"{len(prompts)} random token-id prompts of {lengths[0]}-"
                           f"{lengths[1]} tokens (seed {a.seed})", engine_settings=settings.__dict__)
         with ExitStack() as stack:
-            services = Services(pair, a.device, dtype, settings, work, placement(a), drafter_extra(a))
+            services = Services(pair, a.device, dtype, settings, work, placement(a), drafter_extra(a),
+                                verifier_extra(a))
             stack.callback(services.stop)
             with state.phase("reference pass"):   # the target's own continuations, for the controlled drafters
                 engines = load_engines(pair, a.device, dtype, settings)
@@ -172,7 +179,7 @@ def _smollm2_part(a, cells, work: Path, state: SuiteState) -> None:
     settings = EngineSettings(max_sequences=most, cuda_graphs=a.device == "cuda", max_context=1024)
     (work / "smollm2").mkdir(exist_ok=True)
     services = Services(pair, a.device, "bfloat16" if a.device == "cuda" else "float32", settings, work / "smollm2",
-                        placement(a), drafter_extra(a))
+                        placement(a), drafter_extra(a), verifier_extra(a))
     try:
         with state.phase("smollm2 services start"):
             services.start_verifier()

@@ -14,7 +14,8 @@ the same run; "of limit" = limit / step time.
 
 With --admit L..., also steps that open a sequence with a prompt of L tokens while verifying the
 batch (its prefill runs in the same step, as when a request arrives under load): step time with the
-prompt prefilled eagerly and, with --cuda-graphs, by a prefill graph, against no admission.
+prompt prefilled eagerly, with --cuda-graphs by a prefill graph, and folded into the verify forward
+(--fold-prefill) where its rows fit, against no admission.
 
     python scripts/profile_step.py --model DIR --batch 1 32 --k 0 4 --cuda-graphs --admit 64 128
 """
@@ -79,18 +80,23 @@ def run_admitting_steps(engine: VerifierEngine, ids: list[str], k: int, steps: i
 
 def time_admissions(engine: VerifierEngine, ids: list[str], k: int, steps: int, rng: random.Random,
                     prompt_lens: list[int], plain_ms: float) -> list[str]:
-    """-> one table row per prompt length: step ms p50 admitting it eagerly and by prefill graph."""
+    """-> one table row per prompt length: step ms p50 admitting it by an eager prefill, by a prefill
+    graph, and folded into the verify forward (--fold-prefill; '-' where its rows would not fit)."""
     rows, graphs = [], engine.runner.prefill_graphs
     for n in prompt_lens:
-        cells = []
-        for family in ([None, graphs] if graphs is not None else [None]):
-            engine.runner.prefill_graphs = family
+        variants = {"eager": (None, False), "graph": (graphs, False) if graphs is not None else None,
+                    "folded": (graphs, True) if len(ids) + -(-n // (k + 1)) <= engine.graph_rows else None}
+        row = f"| {len(ids)} | {k} | {n} | {plain_ms:.2f} |"
+        for variant in variants.values():
+            if variant is None:
+                row += " - | - |"
+                continue
+            engine.runner.prefill_graphs, engine.fold_prefill = variant
             run_admitting_steps(engine, ids, k, 2, rng, n)  # warm-up
-            cells.append(statistics.median(run_admitting_steps(engine, ids, k, steps, rng, n)))
-        engine.runner.prefill_graphs = graphs
-        graphed = f"{cells[1]:.2f} | {cells[1] - plain_ms:+.2f}" if len(cells) > 1 else "- | -"
-        rows.append(f"| {len(ids)} | {k} | {n} | {plain_ms:.2f} | {cells[0]:.2f} | {cells[0] - plain_ms:+.2f} | "
-                    f"{graphed} |")
+            ms = statistics.median(run_admitting_steps(engine, ids, k, steps, rng, n))
+            row += f" {ms:.2f} | {ms - plain_ms:+.2f} |"
+        engine.runner.prefill_graphs, engine.fold_prefill = graphs, False
+        rows.append(row)
     return rows
 
 
@@ -171,7 +177,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top operators for the last setting")
     p.add_argument("--cuda-graphs", action="store_true", help="capture the verify forwards as CUDA graphs first")
     p.add_argument("--admit", type=int, nargs="*", default=[], metavar="L",
-                   help="also time steps that admit a prompt of L tokens (eager and graphed prefill)")
+                   help="also time steps that admit a prompt of L tokens (eager and graphed prefill, and folded "
+                        "into the verify forward)")
     p.add_argument("--no-fuse", action="store_true", help="the reference forward (separate projections, "
                    "unfused norms and RoPE) instead of the fused one")
     p.add_argument("--batch-invariant", action="store_true", help="the batch-invariant matmuls and attention")
@@ -199,9 +206,13 @@ def profile(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     device = torch.device(a.device)
     dtype_name = a.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = DTYPES[dtype_name]
-    engine = VerifierEngine(make_runner(a, dtype_name, device), max(a.batch) + bool(a.admit), 4096, 64)
+    # With --admit: graphs for the rows a folded prompt adds (fold_prefill is switched per column)
+    engine = VerifierEngine(make_runner(a, dtype_name, device), max(a.batch) + bool(a.admit), 4096, 64,
+                            fold_prefill=bool(a.admit))
+    engine.fold_prefill = False
     if a.cuda_graphs:
-        engine.runner.capture_cuda_graphs(max(a.batch), tuple(sorted({k + 1 for k in a.k})))
+        engine.runner.capture_cuda_graphs(engine.graph_rows if a.admit else max(a.batch),
+                                          tuple(sorted({k + 1 for k in a.k})))
     rng = random.Random(0)
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     print(f"model={Path(a.model).name} device={device} dtype={dtype} cuda_graphs={a.cuda_graphs} "
@@ -237,8 +248,8 @@ def profile(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
             engine.close(ids)
     if admissions:
         print("\nSteps admitting a prompt (prefilled in the step), ms p50:")
-        print("| batch | k | prompt | no admission | eager prefill | added | prefill graph | added |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| batch | k | prompt | no admission | eager prefill | added | prefill graph | added | folded | added |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         print("\n".join(admissions))
     engine.runner.shutdown()   # the other ranks exit
 

@@ -54,6 +54,8 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
                                     cfg.aux_hidden_layers, cfg.prefill_chunk, cfg.fold_prefill)
         except ValueError as exc:
             raise SystemExit(f"verifier: {exc}") from exc
+        if cfg.fold_prefill:
+            log.info("prompt chunks fold into the verify forward (--fold-prefill)", graph_rows=engine.graph_rows)
         info.max_context = engine.max_context
         info.aux_hidden_layers.extend(cfg.aux_hidden_layers)
         servicer = VerifierServicer(engine, info, log, executor)

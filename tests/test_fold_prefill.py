@@ -47,7 +47,8 @@ def scenario(eng: VerifierEngine, seed: int) -> list[tuple]:
     """Two sequences running; prompts (one of them twice, shared) arrive at steps 1 and 4, each
     then verified like the others once answered. -> every verdict and error, in order."""
     rng = random.Random(seed)
-    arrivals = {1: [("p1", [(3 * i + 1) % 380 for i in range(23)], ""), ("p2", [(3 * i + 1) % 380 for i in range(23)], "p1")],
+    shared = [(3 * i + 1) % 380 for i in range(23)]
+    arrivals = {1: [("p1", shared, ""), ("p2", shared, "p1")],
                 4: [("p3", [(11 * i + 5) % 380 for i in range(9)], ""), ("p4", [42], "")]}
     out = []
     res = eng.step(VerifierStep(0, open=[OpenSequence("r1", [1, 2, 3, 4, 5], want_hidden=True),
