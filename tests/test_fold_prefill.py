@@ -31,9 +31,12 @@ class CountingRunner(ModelRunner):
         return super().forward_with_aux(batch, logit_index)
 
 
-def engine(path, chunk: int, fold: bool) -> VerifierEngine:
-    runner = CountingRunner(load_model(path, torch.float64, torch.device("cpu")))
-    return VerifierEngine(runner, 6, 128, 8, aux_layers=AUX, prefill_chunk=chunk, fold_prefill=fold)
+def engine(path, chunk: int, fold: bool, device: str = "cpu", dtype=torch.float64, graphs: bool = False):
+    runner = CountingRunner(load_model(path, dtype, torch.device(device)))
+    eng = VerifierEngine(runner, 6, 128, 8, aux_layers=AUX, prefill_chunk=chunk, fold_prefill=fold)
+    if graphs:   # as the service captures them: for every row a folded forward may have
+        runner.capture_cuda_graphs(eng.graph_rows, (1, 2, 3, 5, 9))
+    return eng
 
 
 def draft(rng: random.Random, tree: bool) -> DraftTree:
@@ -68,16 +71,19 @@ def scenario(eng: VerifierEngine, seed: int) -> list[tuple]:
     return out
 
 
-@pytest.mark.parametrize("chunk", [0, 8])
-def test_folded_prompts_give_what_a_prefill_forward_gives(checkpoints, chunk):
-    path = checkpoints["llama-gqa"]
-    apart, folded = engine(path, chunk, fold=False), engine(path, chunk, fold=True)
-    want, got = scenario(apart, 3), scenario(folded, 3)
+def check_same(want: list[tuple], got: list[tuple], tol: float) -> None:
     assert [w[:5] for w in want] == [g[:5] for g in got]
     for w, g in zip(want, got):
         assert (w[5] is None) == (g[5] is None), w[:2]
         if w[5] is not None:
-            torch.testing.assert_close(g[5], w[5], rtol=1e-9, atol=1e-9, msg=f"hidden states of {w[1]} at {w[0]}")
+            torch.testing.assert_close(g[5], w[5], rtol=tol, atol=tol, msg=f"hidden states of {w[1]} at {w[0]}")
+
+
+@pytest.mark.parametrize("chunk", [0, 8])
+def test_folded_prompts_give_what_a_prefill_forward_gives(checkpoints, chunk):
+    path = checkpoints["llama-gqa"]
+    apart, folded = engine(path, chunk, fold=False), engine(path, chunk, fold=True)
+    check_same(scenario(apart, 3), scenario(folded, 3), 1e-9)
     # The prompts rode in the verify forwards: fewer forwards in all (and never more)
     assert folded.runner.forwards < apart.runner.forwards
     assert folded.prefill_tokens_computed == apart.prefill_tokens_computed
@@ -96,3 +102,14 @@ def test_prompts_too_many_for_the_rows_get_a_forward_of_their_own(checkpoints):
         res = eng.step(VerifierStep(1, open=[OpenSequence("p", long)], verify=[VerifyItem("r", 4, DraftTree())]))
         results.append(([(v.seq_id, tuple(v.accepted_ids)) for v in res.verdicts], eng.runner.forwards - before))
     assert results[0] == results[1] and results[1][1] == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_folded_prompts_replayed_as_cuda_graphs(checkpoints):
+    """On the GPU, the folded forwards replayed from graphs captured for graph_rows rows (fp32, so
+    argmax ties are far) against the eager engine that prefills apart."""
+    path = checkpoints["llama-gqa"]
+    apart = engine(path, 8, fold=False, device="cuda", dtype=torch.float32)
+    folded = engine(path, 8, fold=True, device="cuda", dtype=torch.float32, graphs=True)
+    check_same(scenario(apart, 5), scenario(folded, 5), 1e-4)
+    assert folded.runner.forwards < apart.runner.forwards
