@@ -205,7 +205,7 @@ class VerifierEngine:
         if prompt_rows is not None:
             b = len(states)
             answered = self._answer(chunks, *self._prompt_outputs(logits[b:], None if aux is None else aux[b:],
-                                                                  chunks, *prompt_rows[1:]))
+                                                                  *prompt_rows[1:]))
             logits, aux = logits[:b], None if aux is None else aux[:b]
         params = [s.sampling for s in states]
         if all(p.greedy for p in params):
@@ -265,7 +265,7 @@ class VerifierEngine:
             kv_len=max(batch.kv_len, min(max(row_starts) + n, self.kv_capacity)))
         return combined, [len(f) for f in feeds], last
 
-    def _prompt_outputs(self, logits: torch.Tensor, aux: torch.Tensor | None, chunks: list[Chunk], lengths: list[int],
+    def _prompt_outputs(self, logits: torch.Tensor, aux: torch.Tensor | None, lengths: list[int],
                         last: list[int]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """The prompt rows' logits [R, n, V] and aux [R, n, A] -> each chunk's logits after its last
         token [L, V] and its hidden-state rows (its rows' positions in order)."""
