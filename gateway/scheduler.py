@@ -148,8 +148,12 @@ class Scheduler:
         )
         self.close_verifier, self.stop_hidden = [], []
         overlap = [r for r in continuing if r.mode == Mode.CHAIN and r.settings.overlap and r.draft]
-        (verdicts, verify_rtt), predraft = await asyncio.gather(timed(self.verifier.step(verify_msg)),
-                                                                self._draft_all(overlap, predraft=True))
+        # The verify is awaited here, not gathered: its message leaves now, before the client
+        # streams that the last verdicts woke take their turns (a task would start after them).
+        predrafts = (asyncio.ensure_future(self._draft_all(overlap, predraft=True))
+                     if overlap or any(self.close_drafter.values()) else None)
+        verdicts, verify_rtt = await timed(self.verifier.step(verify_msg))
+        predraft = await predrafts if predrafts is not None else (0.0, 0.0)
         waited = time.perf_counter() - started   # for the drafts, then the verify (and pre-drafts)
         self._apply_verdicts(verdicts)
         if self.auto is not None and continuing:
@@ -185,6 +189,9 @@ class Scheduler:
         for address, closes in self.close_drafter.items():
             if closes:
                 groups.setdefault(address, [])
+        if len(groups) == 1:   # awaited here (see _step): the message leaves before the loop turns
+            (address, group), = groups.items()
+            return await self._draft(address, group, predraft)
         times = await asyncio.gather(*(self._draft(address, group, predraft) for address, group in groups.items()))
         return max(times, default=(0.0, 0.0))
 

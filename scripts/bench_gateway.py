@@ -1,0 +1,125 @@
+"""The gateway alone: its per-step cost and the transport's at each concurrency, with the engines
+replaced by stand-ins that sleep a modelled step time (benchmarks/stand_in.py: the real servicers
+and step streams, no model). Whatever a loop step costs above the stand-ins' engine time is the
+gateway's and the wire's, on any machine, at any C, without a GPU.
+
+For each mode and C: tok/s, the loop step and its split from the gateway's /metrics (engine time,
+transport = round trips less engine time, the gateway's own time), and "engine-bound tok/s": what
+the same steps would give if the loop step were only the engine time.
+
+    python scripts/bench_gateway.py --concurrency 1 8 32 --modes off "chain k=4 no-overlap" "chain k=4"
+    python scripts/bench_gateway.py --concurrency 32 --aux-width 12288   # EAGLE-3 hidden states of an 8B
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+from cluster import free_port, stop_all, wait_serving  # noqa: E402
+from model_factory import VOCAB, make_tokenizer  # noqa: E402
+
+from benchmarks import step_split  # noqa: E402
+from benchmarks.gateway_runs import GatewayClient  # noqa: E402
+from benchmarks.grid import CONFIGS, SpecConfig  # noqa: E402
+from benchmarks.metrics import RunResult, summarize  # noqa: E402
+
+AUTO = SpecConfig("auto", "auto")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--modes", nargs="+", default=["off", "chain k=4 no-overlap", "chain k=4"],
+                   help=f"rows: auto or any of {', '.join(CONFIGS)}")
+    p.add_argument("--requests-per-client", type=int, default=4, help="closed loop: requests each client sends")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--acceptance", type=float, default=0.8)
+    p.add_argument("--verify-ms", type=float, nargs=2, default=[8.0, 0.01], metavar=("BASE", "PER_ROW"),
+                   help="the verifier stand-in's step: base + per_row x rows (ms); H100, 8B bf16 ~ 8, 0.01")
+    p.add_argument("--draft-ms", type=float, nargs=2, default=[1.0, 0.03], metavar=("BASE", "PER_ROW"),
+                   help="the drafter stand-in's step (ms)")
+    p.add_argument("--aux-width", type=int, default=0,
+                   help="hidden-state values per committed position (EAGLE-3: 3 x hidden; 8B: 12288)")
+    p.add_argument("--json", type=Path, help="also write the rows here")
+    return p.parse_args(argv)
+
+
+class StandInCluster:
+    """Stand-in verifier and drafter processes and a real gateway over them."""
+
+    def __init__(self, a: argparse.Namespace, work: Path) -> None:
+        make_tokenizer(work)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs = work
+        engine = [sys.executable, "-m", "benchmarks.stand_in", "--vocab", str(VOCAB), "--aux-width", str(a.aux_width)]
+        verifier = self._spawn("verifier", [*engine, "--role", "verifier", "--base-ms", str(a.verify_ms[0]),
+                                            "--per-row-ms", str(a.verify_ms[1])])
+        drafter = self._spawn("drafter", [*engine, "--role", "drafter", "--base-ms", str(a.draft_ms[0]),
+                                          "--per-row-ms", str(a.draft_ms[1]), "--acceptance", str(a.acceptance)])
+        self.metrics = f"127.0.0.1:{free_port()}"
+        self.gateway = self._spawn("gateway", [sys.executable, "-m", "specdec.cli", "gateway", "--tokenizer", str(work),
+                                               "--verifier", verifier, "--drafter", drafter,
+                                               "--metrics-listen", self.metrics])
+        for name, proc in self.procs.items():
+            wait_serving(proc.address, 120, proc)
+
+    def _spawn(self, name: str, argv: list[str]) -> str:
+        address = f"127.0.0.1:{free_port()}"
+        log = open(self.logs / f"{name}.log", "w")
+        proc = subprocess.Popen([*argv, "--listen", address], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        proc.address = address
+        self.procs[name] = proc
+        return address
+
+    def stop(self) -> None:
+        stop_all(list(self.procs.values()), timeout=10)
+
+
+def main(argv: list[str] | None = None) -> list[RunResult]:
+    a = parse(argv)
+    configs = [AUTO if m == "auto" else CONFIGS[m] for m in a.modes]
+    prompts = [[3 + (7 * i + j) % (VOCAB - 3) for j in range(a.prompt_len)]
+               for i in range(max(a.concurrency) * a.requests_per_client)]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = StandInCluster(a, Path(tmp))
+        client = GatewayClient()
+        try:
+            print(f"{'C':>3} {'mode':<22} {'tok/s':>8} {'x off':>6} {'accept':>6} {'loop ms':>8} {'engine':>7} "
+                  f"{'transp':>7} {'gateway':>7} {'eng-bound tok/s':>15}", flush=True)
+            for c in a.concurrency:
+                off = None
+                for cfg in configs:
+                    marks = {}
+                    traces = client.run(cluster.gateway, prompts[: c * a.requests_per_client], a.max_new_tokens, cfg,
+                                        warmup_tokens=4, clients=c,
+                                        measuring=lambda: marks.update(before=step_split.scrape(cluster.metrics)))
+                    res = summarize(traces, "gateway", "stand-in", cfg.name, c, a.acceptance,
+                                    **step_split.split(marks["before"], step_split.scrape(cluster.metrics)))
+                    off = res.tok_s if cfg.name == "off" else off
+                    engine = (res.verify_ms or 0) + (res.draft_engine_ms or 0)
+                    bound = res.tok_s * res.loop_step_ms / engine if engine else float("nan")
+                    print(f"{c:>3} {cfg.name:<22} {res.tok_s:>8.1f} {res.tok_s / off if off else float('nan'):>6.2f} "
+                          f"{res.accept_len:>6.2f} {res.loop_step_ms:>8.2f} {engine:>7.2f} {res.transport_ms:>7.2f} "
+                          f"{res.gateway_ms:>7.2f} {bound:>15.1f}", flush=True)
+                    rows.append(res)
+        finally:
+            client.close()
+            cluster.stop()
+    if a.json:
+        a.json.write_text(json.dumps([r.to_json() for r in rows], indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
