@@ -196,11 +196,13 @@ class Scheduler:
         return max(times, default=(0.0, 0.0))
 
     async def _draft(self, address: str, reqs: list[ActiveRequest], predraft: bool) -> tuple[float, float]:
-        items = []
+        # Items are filled in place: a message passed to a constructor is copied, hidden states and all.
+        msg = drafter_pb2.DraftStepRequest(step=self.step_no * 2 + int(predraft),
+                                           close=self.close_drafter.pop(address, []))
         for r in reqs:
             spec = r.settings
-            item = drafter_pb2.DraftItem(seq_id=r.seq_id, committed_len=len(r.tokens),
-                                         append_ids=r.tokens[r.drafter_len:], sampling=sampling_to_proto(r.sampling))
+            item = msg.items.add(seq_id=r.seq_id, committed_len=len(r.tokens), append_ids=r.tokens[r.drafter_len:],
+                                 sampling=sampling_to_proto(r.sampling))
             if predraft:  # draft after the in-flight draft; one extra token guesses the bonus
                 item.assumed_ids.extend(r.draft.token_ids)
                 item.chain.k = spec.k + 1
@@ -209,12 +211,9 @@ class Scheduler:
             else:
                 item.chain.k = spec.k
             if r.hidden_rows:  # the verifier's states of exactly the appended tokens' predecessors
-                item.hidden_states.CopyFrom(concat_payloads(r.hidden_rows))
+                concat_payloads(r.hidden_rows, item.hidden_states)
                 r.hidden_rows = []
             r.drafter_len = len(r.tokens)
-            items.append(item)
-        msg = drafter_pb2.DraftStepRequest(step=self.step_no * 2 + int(predraft), items=items,
-                                           close=self.close_drafter.pop(address, []))
         stream = self.drafters.get(address) or self.drafters.setdefault(address, StepStream("drafter", address, self.dialer))
         try:
             resp, rtt = await timed(stream.step(msg))
@@ -378,11 +377,15 @@ class Scheduler:
         return released
 
 
-def concat_payloads(parts: list[common_pb2.TensorPayload]) -> common_pb2.TensorPayload:
-    """Row-wise concatenation of [m_i, w] payloads of one dtype, without decoding them."""
+def concat_payloads(parts: list[common_pb2.TensorPayload], out: common_pb2.TensorPayload) -> None:
+    """out := the row-wise concatenation of [m_i, w] payloads of one dtype, without decoding them."""
+    if len(parts) == 1:   # the usual case (one verdict since the last draft): one copy, no join
+        out.CopyFrom(parts[0])
+        return
     first = parts[0]
-    return common_pb2.TensorPayload(dtype=first.dtype, shape=[sum(p.shape[0] for p in parts), *first.shape[1:]],
-                                    data=b"".join(p.data for p in parts))
+    out.dtype = first.dtype
+    out.shape[:] = [sum(p.shape[0] for p in parts), *first.shape[1:]]
+    out.data = b"".join(p.data for p in parts)
 
 
 async def timed(call: Awaitable) -> tuple[object, float]:

@@ -14,6 +14,7 @@ import torch
 from test_cuda_graphs import EagerGraphs
 from transformers import AutoModelForCausalLM
 
+from gateway.scheduler import concat_payloads
 from specdec.model.loader import load_model
 from specdec.model.runner import ModelRunner
 from specdec.rpc import common_pb2
@@ -121,6 +122,17 @@ def test_a_steps_payloads_decode_together():
     decoded = payloads_to_tensors([tensor_to_payload(rows[0]), tensor_to_payload(rows[2])])
     decoded[0].zero_()  # writable, and a copy: the other rows do not change
     assert torch.equal(decoded[1], rows[2])
+
+
+def test_the_gateway_joins_a_requests_verdict_rows_for_its_next_draft():
+    """Rows from several verdicts (a request verified twice between drafts) reach the drafter as
+    one payload in order; a lone verdict's rows pass unchanged. The gateway does not decode them."""
+    parts = [torch.randn(n, 6).to(torch.bfloat16) for n in (3, 1, 2)]
+    for group in (parts, parts[:1]):
+        out = common_pb2.TensorPayload()
+        concat_payloads([tensor_to_payload(t) for t in group], out)
+        assert list(out.shape) == [sum(t.shape[0] for t in group), 6] and out.dtype == "bfloat16"
+        assert torch.equal(payload_to_tensor(out), torch.cat(group))
 
 
 @pytest.mark.parametrize("bad, complaint", [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from specdec.rpc import verifier_pb2, verifier_pb2_grpc
 from specdec.rpc.convert import error_to_proto, sampling_from_proto, tree_from_proto
-from specdec.rpc.tensor_payload import tensor_to_payload
+from specdec.rpc.tensor_payload import fill_payload
 from specdec.step_servicer import StepStreamServicer
 from verifier_svc.types import OpenSequence, VerifierStep, VerifierStepResult, VerifyItem
 
@@ -21,16 +21,13 @@ class VerifierServicer(StepStreamServicer, verifier_pb2_grpc.VerifierServicer):
         )
 
     def result_to_proto(self, res: VerifierStepResult) -> verifier_pb2.VerifyStepResponse:
-        return verifier_pb2.VerifyStepResponse(
-            step=res.step,
-            verdicts=[
-                verifier_pb2.Verdict(seq_id=v.seq_id, committed_len=v.committed_len,
-                                     accepted_ids=v.accepted_ids, accepted_drafts=v.accepted_drafts,
-                                     hidden_states=tensor_to_payload(v.hidden) if v.hidden is not None else None)
-                for v in res.verdicts
-            ],
-            errors=[error_to_proto(e) for e in res.errors],
-        )
+        msg = verifier_pb2.VerifyStepResponse(step=res.step, errors=[error_to_proto(e) for e in res.errors])
+        for v in res.verdicts:   # filled in place: hidden states are copied once, not once per level
+            out = msg.verdicts.add(seq_id=v.seq_id, committed_len=v.committed_len, accepted_ids=v.accepted_ids,
+                                   accepted_drafts=v.accepted_drafts)
+            if v.hidden is not None:
+                fill_payload(out.hidden_states, v.hidden)
+        return msg
 
     def held_after(self, req: VerifierStep, res: VerifierStepResult) -> set[str]:
         failed = {e.seq_id for e in res.errors}

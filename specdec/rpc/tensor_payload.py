@@ -19,11 +19,20 @@ _PAYLOAD_DTYPES = {"bfloat16": (torch.bfloat16, torch.int16), "float16": (torch.
 
 
 def tensor_to_payload(t: torch.Tensor) -> common_pb2.TensorPayload:
+    msg = common_pb2.TensorPayload()
+    fill_payload(msg, t)
+    return msg
+
+
+def fill_payload(msg: common_pb2.TensorPayload, t: torch.Tensor) -> None:
+    """msg := t, in place (a payload built apart and passed to its parent's constructor would be
+    copied once more, bytes and all)."""
     name = str(t.dtype).removeprefix("torch.")
     if t.device.type != "cpu" or not t.is_contiguous():
         t = t.detach().cpu().contiguous()
-    raw = t.view(_PAYLOAD_DTYPES[name][1]).numpy().tobytes()
-    return common_pb2.TensorPayload(dtype=name, shape=list(t.shape), data=raw)
+    msg.dtype = name
+    msg.shape[:] = t.shape
+    msg.data = t.view(_PAYLOAD_DTYPES[name][1]).numpy().tobytes()
 
 
 def payload_to_tensor(msg: common_pb2.TensorPayload) -> torch.Tensor:
