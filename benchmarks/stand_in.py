@@ -12,7 +12,8 @@ request's output is the same in every mode. A step sleeps (releasing the GIL, as
     drafter:  base + per_row x (drafted nodes + appended tokens)
 
 With --aux-width W the verifier sends W bf16 values per committed position (an EAGLE-3 target's
-hidden states) and both report the same aux layers, so the gateway forwards them to the drafter.
+hidden states; with --hidden-states-fp8, packed as the real verifier packs them) and both report
+the same aux layers, so the gateway forwards them to the drafter.
 
     python -m benchmarks.stand_in --role verifier --listen 127.0.0.1:50061 --base-ms 8 --per-row-ms 0.01
 """
@@ -65,14 +66,17 @@ def kept(seq_id: str, position: int, acceptance: float) -> bool:
 
 
 class StandInVerifier:
-    def __init__(self, step_time: StepTime, max_sequences: int, vocab: int, max_context: int, aux_width: int) -> None:
+    def __init__(self, step_time: StepTime, max_sequences: int, vocab: int, max_context: int, aux_width: int,
+                 fp8: bool = False) -> None:
         self.time = step_time
         self.vocab = vocab
         self.table = SequenceTable(max_sequences, vocab, max_context)
         self.max_context = max_context
         self.aux_width = aux_width
         self.hidden_for: set[str] = set()
-        self.rows = torch.zeros(max_context, aux_width, dtype=torch.bfloat16)   # the "hidden states" sent
+        # the "hidden states" sent: bf16, or packed as --hidden-states-fp8 packs them (specdec/model/fp8_rows.py)
+        self.rows = (torch.zeros(max_context, aux_width + 4, dtype=torch.uint8) if fp8 else
+                     torch.zeros(max_context, aux_width, dtype=torch.bfloat16))
 
     def close(self, seq_ids: list[str]) -> None:
         for s in seq_ids:
@@ -181,6 +185,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=384, help="the gateway's tokenizer's vocabulary size")
     p.add_argument("--acceptance", type=float, default=0.8, help="drafter: chance that a drafted token is right")
     p.add_argument("--aux-width", type=int, default=0, help="bf16 values per hidden-state row (0: none)")
+    p.add_argument("--hidden-states-fp8", action="store_true", help="verifier: rows packed to float8, as the real one")
     return p.parse_args(argv)
 
 
@@ -198,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.role == "verifier":
         from verifier_svc.servicer import VerifierServicer
 
-        engine = StandInVerifier(step_time, a.max_sequences, a.vocab, a.max_context, a.aux_width)
+        engine = StandInVerifier(step_time, a.max_sequences, a.vocab, a.max_context, a.aux_width, a.hidden_states_fp8)
         servicer = VerifierServicer(engine, info, log, executor)
         register, pb2 = (lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s)), verifier_pb2
     else:

@@ -24,6 +24,7 @@ from drafter_svc.types import Draft, DrafterStep, DrafterStepResult, DraftItem, 
 from specdec.errors import ErrorCode, SequenceError
 from specdec.model.batch import ForwardBatch, PinnedStaging, causal_region, upload, upload_packed
 from specdec.model.eagle3 import Eagle3Head
+from specdec.model.fp8_rows import dequantize_rows
 from specdec.model.kv_cache import KVCache
 from specdec.sequence_table import SequenceState, SequenceTable
 from specdec.tree import DraftTree
@@ -84,7 +85,8 @@ class Eagle3DrafterEngine:
         have = 0 if opening else len(self.table.get(item.seq_id).tokens) - 1
         want = item.committed_len - 1 - have  # target states of positions have .. committed_len - 2
         got = 0 if rows is None else rows.shape[0]
-        if got != want or (rows is not None and rows.shape[-1] != self.aux_width):
+        packed = rows is not None and rows.dtype == torch.uint8   # fp8 rows (specdec/model/fp8_rows.py)
+        if got != want or (rows is not None and rows.shape[-1] - 4 * packed != self.aux_width):
             return SequenceError(item.seq_id, ErrorCode.INVALID,
                                  f"the EAGLE-3 drafter needs the target's hidden states of layers "
                                  f"{list(self.head.spec.aux_layers)} for every committed token but the last: "
@@ -95,9 +97,13 @@ class Eagle3DrafterEngine:
             return state
         if opening:
             self.fed[state.seq_id] = 0
-            self.rows[state.seq_id] = torch.empty(0, self.aux_width, dtype=self.dtype)
+            self.rows[state.seq_id] = rows[:0] if packed else torch.empty(0, self.aux_width, dtype=self.dtype)
         if got:
-            self.rows[state.seq_id] = torch.cat([self.rows[state.seq_id], rows.to("cpu", self.dtype)])
+            held = self.rows[state.seq_id]
+            rows = rows if packed else rows.to("cpu", self.dtype)
+            if held.dtype != rows.dtype:   # (a sequence's rows all come from one verifier: not seen in practice)
+                held, rows = (dequantize_rows(t, self.dtype) if t.dtype == torch.uint8 else t for t in (held, rows))
+            self.rows[state.seq_id] = torch.cat([held, rows])
         return state
 
     @torch.inference_mode()
@@ -147,14 +153,21 @@ class Eagle3DrafterEngine:
         tokens = torch.tensor([f + [0] * (n - len(f)) for f in feeds], dtype=torch.long)      # [B, n] host
         lengths = torch.tensor([len(f) for f in feeds], dtype=torch.long)
         start = torch.tensor(starts, dtype=torch.long)
-        hidden = self.staging.get(staging, (len(feeds), n, self.aux_width), self.dtype).zero_()
+        packed = all(r.dtype == torch.uint8 for r in rows)   # fp8 rows: uploaded as such, unpacked there
+        if not packed:
+            rows = [dequantize_rows(r, self.dtype) if r.dtype == torch.uint8 else r for r in rows]
+        width, dtype = (self.aux_width + 4, torch.uint8) if packed else (self.aux_width, self.dtype)
+        hidden = self.staging.get(f"{staging} {dtype}", (len(feeds), n, width), dtype).zero_()
         for i, r in enumerate(rows):
             hidden[i, : r.shape[0]] = r
+        if packed:   # [B, n, aux] on the device
+            hidden = dequantize_rows(upload(hidden, self.device), self.dtype)
         fed = None if self.graphs is None else self.graphs.real_pairs(tokens, hidden, start, lengths, slots)
         if fed is not None:
             return fed
         tokens, start, lengths, slots = upload_packed([tokens, start, lengths, slots], self.device)
-        return real_pairs_forward(self.head, self.embed, self.cache, tokens, upload(hidden, self.device), start,
+        hidden = hidden if hidden.device == self.device else upload(hidden, self.device)
+        return real_pairs_forward(self.head, self.embed, self.cache, tokens, hidden, start,
                                   lengths, slots, self.slot_len, kv_len=min(max(starts) + n, self.slot_len))
 
     def _chains(self, ready, slots, logits, out) -> list[tuple[DraftTree, dict[int, DraftTree]]]:

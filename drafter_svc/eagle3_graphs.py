@@ -127,7 +127,8 @@ class Eagle3Graphs:
         return next((x for x in self.batch_sizes if x >= b), None)
 
     def real_pairs(self, tokens, hidden, start, lengths, slots):
-        """Host tensors: tokens [B, n], hidden [B, n, aux] (pinned on CUDA), start, lengths, slots [B]
+        """tokens [B, n], start, lengths, slots [B] on the host; hidden [B, n, aux] pinned on the host or on
+        the device
         -> real_pairs_forward's outputs, or None when no graph fits (run eagerly)."""
         b, n = tokens.shape
         gb = self._bucket(b)

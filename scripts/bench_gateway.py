@@ -9,6 +9,7 @@ the same steps would give if the loop step were only the engine time.
 
     python scripts/bench_gateway.py --concurrency 1 8 32 --modes off "chain k=4 no-overlap" "chain k=4"
     python scripts/bench_gateway.py --concurrency 32 --aux-width 12288   # EAGLE-3 hidden states of an 8B
+    python scripts/bench_gateway.py --concurrency 32 --aux-width 12288 --hidden-states-fp8
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the drafter stand-in's step (ms)")
     p.add_argument("--aux-width", type=int, default=0,
                    help="hidden-state values per committed position (EAGLE-3: 3 x hidden; 8B: 12288)")
+    p.add_argument("--hidden-states-fp8", action="store_true", help="those rows packed to float8 (half the bytes)")
     p.add_argument("--json", type=Path, help="also write the rows here")
     return p.parse_args(argv)
 
@@ -63,7 +65,8 @@ class StandInCluster:
         self.logs = work
         engine = [sys.executable, "-m", "benchmarks.stand_in", "--vocab", str(VOCAB), "--aux-width", str(a.aux_width)]
         verifier = self._spawn("verifier", [*engine, "--role", "verifier", "--base-ms", str(a.verify_ms[0]),
-                                            "--per-row-ms", str(a.verify_ms[1])])
+                                            "--per-row-ms", str(a.verify_ms[1]),
+                                            *(["--hidden-states-fp8"] if a.hidden_states_fp8 else [])])
         drafter = self._spawn("drafter", [*engine, "--role", "drafter", "--base-ms", str(a.draft_ms[0]),
                                           "--per-row-ms", str(a.draft_ms[1]), "--acceptance", str(a.acceptance)])
         self.metrics = f"127.0.0.1:{free_port()}"

@@ -77,6 +77,7 @@ class EngineServiceConfig:
     cpu_threads: int = 0             # on cpu: torch threads over all TP ranks (0: every available core)
     hedge_predrafts: bool = False    # drafter (EAGLE-3): overlap pre-drafts also for each earlier rejection
     fold_prefill: bool = False       # verifier: prompt chunks ride in the verify forward as extra rows
+    hidden_states_fp8: bool = False  # verifier: verdicts carry hidden states packed to float8 (half the bytes)
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
@@ -128,6 +129,12 @@ class EngineServiceConfig:
                            help="comma-separated target layers (0..num_layers) whose input hidden states every "
                                 "verdict carries for the tokens it commits, for an EAGLE-3 drafter; e.g. 2,16,29 "
                                 "(env SPECDEC_AUX_HIDDEN_LAYERS; default none)")
+            p.add_argument("--hidden-states-fp8", action=argparse.BooleanOptionalAction,
+                           default=env("HIDDEN_STATES_FP8", "0") not in ("0", "false", "no"),
+                           help="verdicts carry the hidden states packed to float8 with a scale per row, half "
+                                "the bytes of bf16 on every hop to the drafter (drafts only: output unchanged); "
+                                "packed on the verifier's device, unpacked on the drafter's, so it pays on GPUs "
+                                "(env SPECDEC_HIDDEN_STATES_FP8=1)")
         if role == "drafter":
             p.add_argument("--eagle3-head", metavar="DIR", default=env("EAGLE3_HEAD"),
                            help="draft with this EAGLE-3 head (the published checkpoint layout) instead of a draft "
@@ -171,7 +178,8 @@ class EngineServiceConfig:
                    parse_layers(getattr(a, "aux_hidden_layers", "")),
                    Path(a.eagle3_head) if getattr(a, "eagle3_head", None) else None, a.cost_profile, a.metrics_listen, a.drain_seconds,
                    server_tls_from_args(a), getattr(a, "prefill_chunk", 0), a.cpu_threads,
-                   getattr(a, "hedge_predrafts", False), getattr(a, "fold_prefill", False))
+                   getattr(a, "hedge_predrafts", False), getattr(a, "fold_prefill", False),
+                   getattr(a, "hidden_states_fp8", False))
 
 
 def parse_layers(text: str) -> tuple[int, ...]:

@@ -51,13 +51,15 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
 
         try:
             engine = VerifierEngine(runner, cfg.max_sequences, cfg.max_context, cfg.max_draft_tokens,
-                                    cfg.aux_hidden_layers, cfg.prefill_chunk, cfg.fold_prefill)
+                                    cfg.aux_hidden_layers, cfg.prefill_chunk, cfg.fold_prefill, cfg.hidden_states_fp8)
         except ValueError as exc:
             raise SystemExit(f"verifier: {exc}") from exc
         if cfg.fold_prefill:
             log.info("prompt chunks fold into the verify forward (--fold-prefill)", graph_rows=engine.graph_rows)
         info.max_context = engine.max_context
         info.aux_hidden_layers.extend(cfg.aux_hidden_layers)
+        if cfg.hidden_states_fp8 and cfg.aux_hidden_layers:
+            log.info("hidden states travel packed to float8 (--hidden-states-fp8)")
         servicer = VerifierServicer(engine, info, log, executor)
         register = lambda server: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)  # noqa: E731
     else:

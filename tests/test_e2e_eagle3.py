@@ -22,9 +22,12 @@ def head(checkpoints, tmp_path_factory):
     return out
 
 
-def test_eagle3_chains_are_lossless(checkpoints, head, start_cluster):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-rows", "fp8-rows"])
+def test_eagle3_chains_are_lossless(checkpoints, head, start_cluster, fp8):
+    """fp8-rows: the verifier packs the hidden states to float8 (--hidden-states-fp8)."""
     target = checkpoints["llama-gqa"]
-    cluster = start_cluster(target, target, verifier_extra=["--aux-hidden-layers", "1,2,3"],
+    cluster = start_cluster(target, target, verifier_extra=["--aux-hidden-layers", "1,2,3",
+                                                            *(["--hidden-states-fp8"] if fp8 else [])],
                             drafter_extra=["--eagle3-head", str(head)])
     for prompt in PROMPTS:
         want = hf_greedy(target, prompt, 24)
@@ -35,6 +38,7 @@ def test_eagle3_chains_are_lossless(checkpoints, head, start_cluster):
         ids, final = cluster.generate(prompt, 24, "tree", topk=2, depth=3, budget=6)
         assert ids == want
         assert final.stats.mode == "tree" and final.stats.drafted > 0, final.stats
+    assert ("hidden states travel packed to float8" in (cluster.log_dir / "verifier.log").read_text()) == fp8
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from test_eagle3_head import reference, write_head
 
@@ -18,6 +19,7 @@ from drafter_svc.eagle3_engine import Eagle3DrafterEngine
 from drafter_svc.types import ChainShape, DraftItem, DrafterStep, TreeShape
 from specdec.model.batch import ForwardBatch, causal_region
 from specdec.model.eagle3 import load_eagle3
+from specdec.model.fp8_rows import dequantize_rows, quantize_rows
 from specdec.model.kv_cache import KVCache
 from specdec.model.loader import load_model
 
@@ -225,6 +227,33 @@ def check_graphed_equals_eager(target, head_dir, device: str, dtype=torch.float6
 def test_replayed_draft_loops_equal_eager_ones(checkpoints, tmp_path):
     target, head_dir = setup(checkpoints, tmp_path)
     check_graphed_equals_eager(target, head_dir, "cpu")
+
+
+@pytest.mark.parametrize("replayed", [False, True], ids=["eager", "graph-padded"])
+def test_fp8_rows_draft_as_their_unpacked_values(checkpoints, tmp_path, replayed):
+    """Rows packed by the verifier (--hidden-states-fp8) are unpacked on the drafter's device: the
+    drafts, chains and trees, equal those drafted from the same values sent unpacked."""
+    target, head_dir = setup(checkpoints, tmp_path)
+    packed_eng, plain_eng = (graphed(engine(target, head_dir), "cpu") if replayed else engine(target, head_dir)
+                             for _ in range(2))
+    aux = packed_eng.head.spec.aux_layers
+    contexts = {"a": [3, 14, 15, 92, 65], "b": [35, 89, 79, 32, 38, 46, 26]}
+    sent = dict.fromkeys(contexts, 0)
+    for step in range(1, 6):
+        shape = TreeShape(2, 3, 5) if step % 3 == 0 else ChainShape(4)
+        packed, plain = [], []
+        for sid, ctx in contexts.items():
+            rows = quantize_rows(target_states(target, aux, ctx)[max(0, sent[sid] - 1):])
+            for items, hidden in ((packed, rows), (plain, dequantize_rows(rows, torch.float64))):
+                items.append(DraftItem(sid, len(ctx), ctx[sent[sid]:], [], shape, hidden=hidden))
+            sent[sid] = len(ctx)
+        got, want = packed_eng.step(DrafterStep(step, packed)), plain_eng.step(DrafterStep(step, plain))
+        assert not got.errors and not want.errors
+        for g, w in zip(got.drafts, want.drafts):
+            assert (g.tree.token_ids, g.tree.parents, g.tree.logprobs) == (w.tree.token_ids, w.tree.parents,
+                                                                           w.tree.logprobs), (step, g.seq_id)
+        for sid, d in zip(contexts, want.drafts):
+            contexts[sid] += d.tree.token_ids[:1] + [step + 7]
 
 
 def test_hedges_are_the_pre_drafts_after_each_guessed_correction(checkpoints, tmp_path):

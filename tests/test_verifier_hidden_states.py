@@ -15,6 +15,7 @@ from test_cuda_graphs import EagerGraphs
 from transformers import AutoModelForCausalLM
 
 from gateway.scheduler import concat_payloads
+from specdec.model.fp8_rows import dequantize_rows, quantize_rows
 from specdec.model.loader import load_model
 from specdec.model.runner import ModelRunner
 from specdec.rpc import common_pb2
@@ -81,6 +82,36 @@ def test_verdict_hidden_states_tile_the_sequence_and_equal_hf(graphed, checkpoin
             ref = hf(torch.tensor([toks[:-1]]), output_hidden_states=True).hidden_states
         want = torch.cat([ref[i][0] for i in AUX], -1)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
+
+
+def test_fp8_verdicts_carry_the_rows_packed(checkpoints):
+    """--hidden-states-fp8: the same tokens, and each verdict's rows are exactly the unpacked
+    engine's rows packed by quantize_rows (prompt rows and verify rows alike)."""
+    plain = engine(checkpoints["llama-gqa"], graphed=False)
+    packing = engine(checkpoints["llama-gqa"], graphed=False)
+    packing.hidden_fp8 = True
+    step = VerifierStep(0, open=[OpenSequence(s, p, want_hidden=True) for s, p in (("a", [5, 6, 7]), ("b", [9, 4, 8]))])
+    for n in range(1, 5):
+        want, got = plain.step(step), packing.step(step)
+        assert [(v.seq_id, v.accepted_ids) for v in want.verdicts] == [(v.seq_id, v.accepted_ids) for v in got.verdicts]
+        for w, g in zip(want.verdicts, got.verdicts):
+            assert g.hidden.dtype == torch.uint8 and torch.equal(g.hidden, quantize_rows(w.hidden)), n
+        step = VerifierStep(n, verify=[VerifyItem(v.seq_id, v.committed_len, DraftTree.chain([9, 9]))
+                                       for v in want.verdicts])
+
+
+def test_fp8_rows_round_trip_within_the_formats_precision():
+    """Each value comes back within 2^-4 of its row's largest magnitude (three mantissa bits),
+    at any row scale; a zero row stays zero; packed rows travel as payloads unchanged."""
+    rows = torch.randn(6, 40, dtype=torch.float64) * torch.tensor([1e-6, 1e-2, 1.0, 30.0, 5e3, 0.0])[:, None]
+    packed = quantize_rows(rows)
+    assert packed.dtype == torch.uint8 and packed.shape == (6, 44)
+    back = dequantize_rows(packed, torch.float64)
+    bound = rows.abs().amax(-1, keepdim=True) * 2 ** -4
+    assert torch.all((back - rows).abs() <= bound) and torch.all(back[5] == 0)
+    assert torch.equal(dequantize_rows(packed[None, 1:3], torch.float64)[0], back[1:3])   # any leading shape
+    msg = tensor_to_payload(packed)
+    assert msg.dtype == "float8_e4m3fn_rows" and torch.equal(payload_to_tensor(msg), packed)
 
 
 def test_stopped_hidden_states_leave_the_verdicts(checkpoints):

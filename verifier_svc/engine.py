@@ -14,6 +14,7 @@ from kernels.greedy_accept import greedy_accept
 from kernels.spec_sampling import child_table, spec_sample
 from specdec.errors import ErrorCode, SequenceError
 from specdec.model.batch import ForwardBatch, causal_region, rows_of, upload, upload_feeds, upload_list
+from specdec.model.fp8_rows import quantize_rows
 from specdec.model.runner import ModelRunner
 from specdec.sampling import ACCEPT, RESIDUAL, processed_probs, sample_from, seed_tensor, uniforms
 from specdec.sequence_table import SequenceState, SequenceTable
@@ -24,17 +25,21 @@ from verifier_svc.types import Verdict, VerifierStep, VerifierStepResult, Verify
 
 class VerifierEngine:
     def __init__(self, runner: ModelRunner, max_sequences: int, max_context: int, max_draft_tokens: int,
-                 aux_layers: tuple[int, ...] = (), prefill_chunk: int = 0, fold_prefill: bool = False) -> None:
+                 aux_layers: tuple[int, ...] = (), prefill_chunk: int = 0, fold_prefill: bool = False,
+                 hidden_fp8: bool = False) -> None:
         """aux_layers: target layers (0..num_layers) whose input hidden states every verdict carries
         for the positions it committed (for an EAGLE-3 drafter); empty = none. prefill_chunk: prompt
         tokens prefilled per step over all sequences (0: whole prompts in the step they open).
         fold_prefill: a step's prompt chunks ride in its verify forward as extra rows, up to
-        `graph_rows` rows in all, instead of a forward of their own (one pass over the weights)."""
+        `graph_rows` rows in all, instead of a forward of their own (one pass over the weights).
+        hidden_fp8: verdicts carry hidden states quantized on the device (quantize_rows: half the
+        bytes of bf16 on every hop to the drafter)."""
         spec = runner.spec
         if not all(0 <= i <= spec.num_layers for i in aux_layers):
             raise ValueError(f"aux hidden-state layers {list(aux_layers)} must lie in 0..{spec.num_layers}")
         runner.aux_layers = tuple(aux_layers)
         self.hidden_wanted: set[str] = set()  # sequences whose verdicts carry hidden states
+        self.hidden_fp8 = hidden_fp8
         self.runner = runner
         self.spec = spec
         self.device = runner.device
@@ -149,7 +154,7 @@ class VerifierEngine:
         wants = lambda e: any(s.seq_id in self.hidden_wanted for s in (e.state, *e.followers))  # noqa: E731
         if aux is not None and any(wants(c.entry) for c in chunks):
             for c, rows in zip(chunks, aux):
-                c.entry.hidden.append(rows[:c.end - c.start].cpu())
+                c.entry.hidden.append(self._wire(rows[:c.end - c.start]).cpu())
         done = [(i, c.entry) for i, c in enumerate(chunks) if c.completes]
         if not done:
             return []
@@ -169,6 +174,10 @@ class VerifierEngine:
             s.tokens.append(tok)
             out.append(Verdict(s.seq_id, len(s.tokens), [tok], 0, torch.cat(h) if wanted else None))
         return out
+
+    def _wire(self, rows: torch.Tensor) -> torch.Tensor:
+        """Hidden-state rows [..., A] as verdicts carry them: as computed, or packed to fp8 here."""
+        return quantize_rows(rows) if self.hidden_fp8 else rows
 
     def _forward(self, batch: ForwardBatch, logit_index: torch.Tensor | None = None):
         """-> (logits, aux hidden states [B, n, A] or None)."""
@@ -235,7 +244,8 @@ class VerifierEngine:
                 index = upload(torch.tensor(wanted, dtype=torch.long), self.device)
                 aux, path = aux[index], path[index]
             # queued before the read-back below, which waits for it too (same stream)
-            rows_out = torch.gather(aux, 1, path[:, :, None].expand(-1, -1, aux.shape[-1])).to("cpu", non_blocking=True)
+            rows_out = self._wire(torch.gather(aux, 1, path[:, :, None].expand(-1, -1, aux.shape[-1])))
+            rows_out = rows_out.to("cpu", non_blocking=True)
             hidden = dict(zip(wanted, rows_out))
         # The step's one read-back: accepted tokens, their count, the bonus, whether to compact.
         rows = torch.cat([accepted, torch.stack([verdict.accept_len, verdict.bonus, scattered.long()], 1)], 1)

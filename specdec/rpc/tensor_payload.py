@@ -2,7 +2,9 @@
 engines' side only (the gateway forwards payloads without decoding them, and imports no torch).
 A step carries one payload per sequence, so both directions keep the per-payload work to a few
 calls: encoding views the rows as raw integers without copies, and decoding a step's payloads
-copies their bytes once into one tensor and splits it."""
+copies their bytes once into one tensor and splits it. A uint8 tensor is rows packed by
+specdec/model/fp8_rows.py (float8 values and a scale per row), sent as such and decoded as such: the drafter
+dequantizes them on its device."""
 
 from __future__ import annotations
 
@@ -12,10 +14,14 @@ import torch
 
 from specdec.rpc import common_pb2
 
+# Rows packed by specdec/model/fp8_rows.py travel as uint8 [n, A + 4] under this dtype name.
+FP8_ROWS = "float8_e4m3fn_rows"
+
 # Raw little-endian bytes of each dtype a TensorPayload may carry, viewed as an integer type of the
 # same width where numpy has no such float (bfloat16).
 _PAYLOAD_DTYPES = {"bfloat16": (torch.bfloat16, torch.int16), "float16": (torch.float16, torch.float16),
-                   "float32": (torch.float32, torch.float32), "float64": (torch.float64, torch.float64)}
+                   "float32": (torch.float32, torch.float32), "float64": (torch.float64, torch.float64),
+                   FP8_ROWS: (torch.uint8, torch.uint8)}
 
 
 def tensor_to_payload(t: torch.Tensor) -> common_pb2.TensorPayload:
@@ -27,7 +33,7 @@ def tensor_to_payload(t: torch.Tensor) -> common_pb2.TensorPayload:
 def fill_payload(msg: common_pb2.TensorPayload, t: torch.Tensor) -> None:
     """msg := t, in place (a payload built apart and passed to its parent's constructor would be
     copied once more, bytes and all)."""
-    name = str(t.dtype).removeprefix("torch.")
+    name = FP8_ROWS if t.dtype == torch.uint8 else str(t.dtype).removeprefix("torch.")
     if t.device.type != "cpu" or not t.is_contiguous():
         t = t.detach().cpu().contiguous()
     msg.dtype = name
