@@ -49,11 +49,14 @@ def hf_greedy_cuda(target: Path, prompts: list[list[int]], n: int) -> list[list[
     return outs
 
 
-def test_published_head_for_an_8b_shaped_target_serves_losslessly(llama8b_head, start_cluster):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-rows", "fp8-rows"])
+def test_published_head_for_an_8b_shaped_target_serves_losslessly(llama8b_head, start_cluster, fp8):
+    """fp8-rows: the hidden states packed on the verifier's GPU, unpacked into the drafter's graphs."""
     target, head = llama8b_head
     want = hf_greedy_cuda(target, PROMPTS, 16)
     cluster = start_cluster(target, target, device="cuda", dtype="float32",
-                            verifier_extra=["--aux-hidden-layers", "1,2,3"], drafter_extra=["--eagle3-head", str(head)])
+                            verifier_extra=["--aux-hidden-layers", "1,2,3", *(["--hidden-states-fp8"] if fp8 else [])],
+                            drafter_extra=["--eagle3-head", str(head)])
     assert list(cluster.info("drafter").aux_hidden_layers) == [1, 2, 3]
     for prompt, expected in zip(PROMPTS, want):
         for mode, spec in (("chain", {"k": 4}), ("chain", {"k": 3, "overlap": False}),
