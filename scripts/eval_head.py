@@ -12,6 +12,7 @@ unroll, `specdec/train/ttt.py`). Two figures come out:
 
 Run from the repository root (the embedded target and its shipped head by default):
     python scripts/eval_head.py --num-prompts 16 --max-new-tokens 128 --k 4
+    python scripts/eval_head.py --num-prompts 16 --max-new-tokens 128 --k 4 --hidden-states-fp8
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=4, help="chain length")
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch", type=int, default=16, help="prompts answered at once")
+    p.add_argument("--hidden-states-fp8", action="store_true",
+                   help="the head reads the target's states packed to float8 and back, as the verifier's "
+                        "--hidden-states-fp8 sends them")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     return p.parse_args(argv)
 
@@ -46,6 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     from specdec.embedded_head import embedded_head
     from specdec.embedded_model import ensure_embedded_models
     from specdec.model.eagle3 import load_eagle3
+    from specdec.model.fp8_rows import dequantize_rows, quantize_rows
     from specdec.model.spec import ModelSpec
     from specdec.train.distill import self_distill
     from specdec.train.trainer import evaluate
@@ -62,7 +67,8 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = DraftVocab(torch.arange(head.spec.draft_vocab_size) + head.d2t.cpu(), 1.0)
     prompts = build_prompts(seed=0).heldout[:a.num_prompts]
     samples = self_distill(target, tokenizer, prompts, a.max_new_tokens, a.batch)
-    stats = evaluate(head, target, samples, vocab, a.k, 16384, 1024, device)
+    wire = (lambda rows: dequantize_rows(quantize_rows(rows), rows.dtype)) if a.hidden_states_fp8 else None
+    stats = evaluate(head, target, samples, vocab, a.k, 16384, 1024, device, wire)
     result = {"prompts": len(samples), "answer_tokens": sum(len(s.ids) - s.answer_start for s in samples),
               "k": a.k, "per_position_every_root": stats.per_position(),
               "mean_accepted_length_every_root": stats.mean_accepted_length(),

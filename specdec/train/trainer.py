@@ -14,6 +14,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -219,11 +220,13 @@ def _fit(cfg: TrainDrafterConfig, head: Eagle3Head, target, train: list[Sample],
 
 @torch.no_grad()
 def evaluate(head: Eagle3Head, target, samples: list[Sample], vocab: DraftVocab, k: int, batch_tokens: int,
-             max_len: int, device) -> ChainStats:
-    """Greedy chain acceptance of k drafts from every root of the samples' answers."""
+             max_len: int, device, wire: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ChainStats:
+    """Greedy chain acceptance of k drafts from every root of the samples' answers. wire: what the
+    target's hidden states [B, T, A] go through before the head reads them (e.g. fp8 packing)."""
     stats = ChainStats([0] * k, [0] * k)
     for group in tqdm(_batches(samples, batch_tokens, max_len), desc="held-out acceptance", unit="batch"):
         embeds, aux, labels = _target_pass(target, group, vocab, head.spec.aux_layers, device)
+        aux = aux if wire is None else wire(aux)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = ttt_forward(head, embeds, aux, k)
         stats.add(chain_stats(head, logits, labels))
