@@ -19,7 +19,10 @@ import json
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -88,6 +91,19 @@ class StandInCluster:
         stop_all(list(self.procs.values()), timeout=10)
 
 
+def auto_choices(metrics: str) -> dict[str, float]:
+    """The gateway's sequence steps per `--mode auto` choice so far (its /metrics)."""
+    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
+    return {s.labels["choice"]: s.value for family in text_string_to_metric_families(text)
+            if family.name == "specdec_gateway_auto_steps" for s in family.samples if s.name.endswith("_total")}
+
+
+def share_text(before: dict[str, float], after: dict[str, float]) -> str:
+    steps = {c: after[c] - before.get(c, 0.0) for c in after if after[c] > before.get(c, 0.0)}
+    total = sum(steps.values())
+    return ", ".join(f"{c} {n / total:.0%}" for c, n in sorted(steps.items(), key=lambda x: -x[1]))
+
+
 def main(argv: list[str] | None = None) -> list[RunResult]:
     a = parse(argv)
     configs = [AUTO if m == "auto" else CONFIGS[m] for m in a.modes]
@@ -104,9 +120,12 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
                 off = None
                 for cfg in configs:
                     marks = {}
+
+                    def measuring() -> None:
+                        marks.update(before=step_split.scrape(cluster.metrics), choices=auto_choices(cluster.metrics))
+
                     traces = client.run(cluster.gateway, prompts[: c * a.requests_per_client], a.max_new_tokens, cfg,
-                                        warmup_tokens=4, clients=c,
-                                        measuring=lambda: marks.update(before=step_split.scrape(cluster.metrics)))
+                                        warmup_tokens=4, clients=c, measuring=measuring)
                     res = summarize(traces, "gateway", "stand-in", cfg.name, c, a.acceptance,
                                     **step_split.split(marks["before"], step_split.scrape(cluster.metrics)))
                     off = res.tok_s if cfg.name == "off" else off
@@ -115,6 +134,9 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
                     print(f"{c:>3} {cfg.name:<22} {res.tok_s:>8.1f} {res.tok_s / off if off else float('nan'):>6.2f} "
                           f"{res.accept_len:>6.2f} {res.loop_step_ms:>8.2f} {engine:>7.2f} {res.transport_ms:>7.2f} "
                           f"{res.gateway_ms:>7.2f} {bound:>15.1f}", flush=True)
+                    if cfg.mode == "auto":
+                        print(f"      auto chose: {share_text(marks['choices'], auto_choices(cluster.metrics))}",
+                              flush=True)
                     rows.append(res)
         finally:
             client.close()
