@@ -4,12 +4,13 @@ the transport alone, at any concurrency, on any machine (`scripts/bench_gateway.
 
 The "target" is a fixed function of the context: next(tokens) depends on the last token and the
 length. The drafter proposes that function's tokens, each kept with probability a (a seeded draw
-per sequence and position, as the controlled-acceptance drafter does), otherwise a wrong one. The
+per sequence and position, as the controlled-acceptance drafter does), otherwise a wrong one; a
+tree is that chain plus wrong siblings up to its budget (its cost, without a tree's gain). The
 verifier walks each draft tree against the function, so verdicts and drafts are consistent and a
 request's output is the same in every mode. A step sleeps (releasing the GIL, as a GPU wait does):
 
-    verifier: base + per_row x (verified rows + prompt tokens)
-    drafter:  base + per_row x (drafted nodes + appended tokens)
+    verifier: base + per_row x (verified rows + prompt tokens) [+ prompt, if it takes in a prompt]
+    drafter:  base + per_row x (drafted nodes + appended tokens) [+ prompt, if it opens a sequence]
 
 With --aux-width W the verifier sends W bf16 values per committed position (an EAGLE-3 target's
 hidden states; with --hidden-states-fp8, packed as the real verifier packs them) and both report
@@ -47,9 +48,10 @@ PROFILE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 class StepTime:
     base: float       # seconds per step
     per_row: float    # seconds per token row the step computes
+    prompt: float = 0.0   # seconds more in a step that takes in a prompt (its forward apart)
 
-    def sleep(self, rows: int) -> float:
-        seconds = self.base + self.per_row * rows
+    def sleep(self, rows: int, prompts: bool = False) -> float:
+        seconds = self.base + self.per_row * rows + self.prompt * prompts
         time.sleep(seconds)
         return seconds
 
@@ -101,7 +103,7 @@ class StandInVerifier:
             accepted = self._walk(state.tokens, item.draft)
             rows += 1 + len(item.draft)
             res.verdicts.append(self._commit(state, accepted, len(accepted) - 1, len(accepted)))
-        self.time.sleep(rows)
+        self.time.sleep(rows, bool(req.open))
         return res
 
     def _walk(self, tokens: list[int], draft: DraftTree) -> list[int]:
@@ -136,10 +138,11 @@ class StandInDrafter:
 
     def step(self, req: DrafterStep) -> DrafterStepResult:
         self.close(req.close)
-        res, rows = DrafterStepResult(req.step), 0
+        res, rows, prompts = DrafterStepResult(req.step), 0, False
         for item in req.items:
             state = self.table.get(item.seq_id)
             if state is None:
+                prompts = True
                 state = self.table.open(item.seq_id, item.append_ids)
                 if not hasattr(state, "tokens"):
                     res.errors.append(state)
@@ -147,18 +150,36 @@ class StandInDrafter:
             else:
                 state.tokens += item.append_ids
             context = state.tokens + item.assumed_ids
-            # A tree request gets a chain as deep as the tree: what is timed here is the wire.
-            k = item.shape.k if isinstance(item.shape, ChainShape) else min(item.shape.depth, item.shape.budget)
             chain = []
-            for _ in range(k):
+            depth = item.shape.k if isinstance(item.shape, ChainShape) else min(item.shape.depth, item.shape.budget)
+            for _ in range(depth):
                 token = next_token(context + chain, self.vocab)
-                if not kept(item.seq_id, len(context) + len(chain), self.acceptance):
-                    token = FIRST_ID + (token + 1 - FIRST_ID) % (self.vocab - FIRST_ID)
-                chain.append(token)
-            rows += k + len(item.append_ids)
-            res.drafts.append(Draft(item.seq_id, item.committed_len, len(item.assumed_ids), DraftTree.chain(chain)))
-        self.time.sleep(rows)
+                chain.append(token if kept(item.seq_id, len(context) + len(chain), self.acceptance) else
+                             self._wrong(token, 0))
+            tree = (DraftTree.chain(chain) if isinstance(item.shape, ChainShape) else
+                    self._tree(chain, item.shape.budget))
+            rows += len(tree) + len(item.append_ids)
+            res.drafts.append(Draft(item.seq_id, item.committed_len, len(item.assumed_ids), tree))
+        self.time.sleep(rows, prompts)
         return res
+
+
+    def _wrong(self, token: int, j: int) -> int:
+        """A token other than `token` (the j-th such)."""
+        return FIRST_ID + (token + 1 + j - FIRST_ID) % (self.vocab - FIRST_ID)
+
+    def _tree(self, path: list[int], budget: int) -> DraftTree:
+        """A tree of `budget` nodes: the path, then siblings of its nodes (depth first) that are
+        never the target's token. So a tree costs what its shape costs and accepts what its path
+        does: the stand-in models no gain from the alternatives."""
+        tokens, parents = list(path), list(range(len(path)))
+        j = 0
+        while len(tokens) < budget:
+            at = j % len(path)
+            tokens.append(self._wrong(path[at], 1 + j // len(path)))
+            parents.append(at)
+            j += 1
+        return DraftTree(tokens, parents)
 
 
 def modelled_costs(role: str, step_time: StepTime, max_sequences: int) -> list[StepCost]:
@@ -168,7 +189,7 @@ def modelled_costs(role: str, step_time: StepTime, max_sequences: int) -> list[S
         shapes = {f"verify:{w}": w for w in VERIFY_WIDTHS}
     else:
         shapes = {**{chain_shape(k): k for k in AUTO_CHAIN_KS}, **{predraft_shape(k): 2 * k + 1 for k in AUTO_CHAIN_KS},
-                  **{tree_shape(*t): t[1] for t in AUTO_TREES}}
+                  **{tree_shape(*t): t[2] for t in AUTO_TREES}}   # a tree's rows: its budget (StandInDrafter)
     return [StepCost(shape, b, step_time.base + step_time.per_row * rows * b)
             for shape, rows in shapes.items() for b in batches]
 
@@ -179,6 +200,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--listen", required=True)
     p.add_argument("--base-ms", type=float, default=8.0, help="a step's fixed time")
     p.add_argument("--per-row-ms", type=float, default=0.01, help="time per token row computed")
+    p.add_argument("--prompt-ms", type=float, default=0.0,
+                   help="more time in a step that takes in a prompt (a forward of its own; H100, 8B: ~7.5)")
     p.add_argument("--max-sequences", type=int, default=64)
     p.add_argument("--max-context", type=int, default=4096)
     p.add_argument("--max-draft-tokens", type=int, default=16)
@@ -192,7 +215,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     a = parse(argv)
     log = configure_logging(a.role)
-    step_time = StepTime(a.base_ms / 1e3, a.per_row_ms / 1e3)
+    step_time = StepTime(a.base_ms / 1e3, a.per_row_ms / 1e3, a.prompt_ms / 1e3)
     info = common_pb2.ServiceInfo(
         role=a.role, model_name=f"stand-in-{a.role}", vocab_size=a.vocab, max_context=a.max_context,
         max_sequences=a.max_sequences, max_draft_tokens=a.max_draft_tokens, device="cpu", dtype="bfloat16",

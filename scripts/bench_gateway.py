@@ -48,15 +48,23 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--acceptance", type=float, default=0.8)
-    p.add_argument("--verify-ms", type=float, nargs=2, default=[8.0, 0.01], metavar=("BASE", "PER_ROW"),
-                   help="the verifier stand-in's step: base + per_row x rows (ms); H100, 8B bf16 ~ 8, 0.01")
-    p.add_argument("--draft-ms", type=float, nargs=2, default=[1.0, 0.03], metavar=("BASE", "PER_ROW"),
-                   help="the drafter stand-in's step (ms)")
+    p.add_argument("--verify-ms", type=float, nargs="+", default=[8.0, 0.01], metavar="MS",
+                   help="the verifier stand-in's step: BASE PER_ROW [PROMPT] = base + per_row x rows (+ prompt in "
+                        "a step that takes in a prompt), ms; H100, 8B bf16 ~ 8 0.01 7.5")
+    p.add_argument("--draft-ms", type=float, nargs="+", default=[1.0, 0.03], metavar="MS",
+                   help="the drafter stand-in's step, the same way (ms); H100, 1B drafter ~ 6 0.02 3")
     p.add_argument("--aux-width", type=int, default=0,
                    help="hidden-state values per committed position (EAGLE-3: 3 x hidden; 8B: 12288)")
     p.add_argument("--hidden-states-fp8", action="store_true", help="those rows packed to float8 (half the bytes)")
     p.add_argument("--json", type=Path, help="also write the rows here")
     return p.parse_args(argv)
+
+
+def step_time(ms: list[float]) -> list[str]:
+    """BASE PER_ROW [PROMPT] -> a stand-in's flags."""
+    if len(ms) not in (2, 3):
+        raise SystemExit("--verify-ms / --draft-ms take BASE PER_ROW [PROMPT]")
+    return [f"--{name}-ms={value}" for name, value in zip(("base", "per-row", "prompt"), ms)]
 
 
 class StandInCluster:
@@ -67,11 +75,10 @@ class StandInCluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs = work
         engine = [sys.executable, "-m", "benchmarks.stand_in", "--vocab", str(VOCAB), "--aux-width", str(a.aux_width)]
-        verifier = self._spawn("verifier", [*engine, "--role", "verifier", "--base-ms", str(a.verify_ms[0]),
-                                            "--per-row-ms", str(a.verify_ms[1]),
+        verifier = self._spawn("verifier", [*engine, "--role", "verifier", *step_time(a.verify_ms),
                                             *(["--hidden-states-fp8"] if a.hidden_states_fp8 else [])])
-        drafter = self._spawn("drafter", [*engine, "--role", "drafter", "--base-ms", str(a.draft_ms[0]),
-                                          "--per-row-ms", str(a.draft_ms[1]), "--acceptance", str(a.acceptance)])
+        drafter = self._spawn("drafter", [*engine, "--role", "drafter", *step_time(a.draft_ms),
+                                          "--acceptance", str(a.acceptance)])
         self.metrics = f"127.0.0.1:{free_port()}"
         self.gateway = self._spawn("gateway", [sys.executable, "-m", "specdec.cli", "gateway", "--tokenizer", str(work),
                                                "--verifier", verifier, "--drafter", drafter,
