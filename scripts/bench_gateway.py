@@ -57,6 +57,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="hidden-state values per committed position (EAGLE-3: 3 x hidden; 8B: 12288)")
     p.add_argument("--hidden-states-fp8", action="store_true", help="those rows packed to float8 (half the bytes)")
     p.add_argument("--json", type=Path, help="also write the rows here")
+    p.add_argument("--log-dir", type=Path, help="keep the services' logs here (default: a temporary directory)")
     return p.parse_args(argv)
 
 
@@ -118,7 +119,9 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
                for i in range(max(a.concurrency) * a.requests_per_client)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = StandInCluster(a, Path(tmp))
+        work = a.log_dir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        cluster = StandInCluster(a, work)
         client = GatewayClient()
         try:
             print(f"{'C':>3} {'mode':<22} {'tok/s':>8} {'x off':>6} {'accept':>6} {'loop ms':>8} {'engine':>7} "

@@ -169,8 +169,10 @@ class AutoController:
                     self._park([self.scout])   # a plan after its probe's verdict still chooses off
             if choice.name != self.last_choice.get(overlap_allowed):
                 self.last_choice[overlap_allowed] = choice.name
+                off = getattr(policy, "last_off", None)   # (the tests' cycling policy scores nothing)
                 self.log.info("auto mode choice", choice=choice.name, batch=len(group) + others,
                               speculating=len(speculating), expected_tokens_per_second=round(plan.tokens_per_second, 1),
+                              off_tokens_per_second=round(off.tokens_per_second, 1) if off else None,
                               request_ids=sorted({r.req.request_id for r in group})[:16])
         for r in group:
             self._apply(r, choice if r.seq_id in speculating else OFF)

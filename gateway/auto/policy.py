@@ -149,6 +149,7 @@ class AutoPolicy:
         self.probe_start, self.probe_max = probe_start, probe_max
         self.probe_interval = probe_start
         self.steps_off = 0
+        self.last_off: Plan | None = None
 
     def plan(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
              explore: bool = True, remaining: np.ndarray | None = None, steps: int = 1) -> Plan:
@@ -226,6 +227,7 @@ class AutoPolicy:
         """The best plan among off and the speculative ones `speculation_margin` better than off, or
         the current choice's (if among them) unless the best is `switch_margin` better."""
         off = next((p for p in scored if p.choice == OFF), None)
+        self.last_off = off   # (logged beside each new choice: what off was expected to give)
         if off is not None:
             bar = off.tokens_per_second * (1 + self.speculation_margin)
             scored = [p for p in scored if p.choice == OFF or p.tokens_per_second >= bar]
