@@ -13,7 +13,8 @@ import bench_gateway  # noqa: E402
 
 
 def test_stand_ins_serve_every_mode_the_same_tokens_at_the_set_acceptance():
-    rows = bench_gateway.main(["--concurrency", "2", "--requests-per-client", "2", "--max-new-tokens", "24", "--prompt-len", "12",
+    rows = bench_gateway.main(["--concurrency", "2", "--requests-per-client", "2", "--max-new-tokens", "24",
+                               "--prompt-len", "12",
                                "--acceptance", "0.8", "--verify-ms", "2", "0", "--draft-ms", "1", "0",
                                "--aux-width", "64", "--modes", "off", "chain k=4 no-overlap", "chain k=4",
                                "tree topk=2", "auto"])
