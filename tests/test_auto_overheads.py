@@ -11,6 +11,7 @@ import pytest
 
 from gateway.auto.controller import AutoController, draft_family
 from gateway.auto.costs import StepOverheads
+from gateway.auto.policy import OFF, Choice, Plan
 from gateway.request import ActiveRequest, GenerationRequest, Mode, SpecSettings
 from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, VERIFY_WIDTHS, StepCost, chain_shape, tree_shape
 from specdec.sampling_params import GREEDY
@@ -34,6 +35,25 @@ def test_overheads_are_a_kinds_mean_excess_without_its_largest_and_borrow_offs()
     for _ in range(513):                                     # a spell of other buckets: old figures expire
         o.tick()
     assert o.seconds(True, 32) == o.seconds(False, 32) == 0.0
+
+
+def test_off_steps_taken_while_speculation_stands_do_not_price_off():
+    """A step that admits a prompt plans among measured choices only, often just off: while
+    speculation stands, such off steps carry the prefill, and as off's samples they made off look
+    far slower than it runs (stand-ins, C = 32: priced ~1,800 tok/s, ran ~2,800)."""
+    auto = controller()
+    reqs = [new_request(i) for i in range(32)]
+    auto.plan(reqs)
+    policy = auto.policies[True]
+    slow_off = Plan(OFF, [], 1000.0, batch=32, seconds=0.0085)
+    policy.current = Choice(Mode.CHAIN, 4)
+    for _ in range(16):
+        policy.observe_overhead(slow_off, 0.0085 + 0.0075)
+    assert policy.overheads.seconds(False, 32) == 0.0
+    policy.current = OFF   # off standing: its steps, prompts and all, are off's
+    for _ in range(16):
+        policy.observe_overhead(slow_off, 0.0085 + 0.0075)
+    assert policy.overheads.seconds(False, 32) == pytest.approx(0.0075)
 
 
 # The true costs of the simulated server (seconds): clean steps, and what a step that admits costs more.

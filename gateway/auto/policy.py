@@ -253,8 +253,14 @@ class AutoPolicy:
 
     def observe_overhead(self, plan: Plan, seconds: float) -> None:
         """Any step that ran `plan`: its excess over the clean step it was priced at, when that price
-        rests on measurements of the choice's own (not a probe, not a borrowed figure)."""
+        rests on measurements of the choice's own (not a probe, not a borrowed figure), and for off
+        only while off is auto's standing choice. While speculation stands, the steps that run off
+        are mostly those that admit a prompt (such a step plans among measured choices only): as
+        off's samples they priced off at ~1,800 tok/s where off ran ~2,800 (stand-ins with the
+        H100's costs, C = 32), and auto speculated at 0.95x of off."""
         self.overheads.tick()
+        if plan.choice == OFF and self.current != OFF:
+            return
         if not plan.probe and plan.seconds > 0 and self.measured(plan.choice, plan.batch):
             self.overheads.observe(plan.choice != OFF, plan.batch, seconds - plan.seconds)
 
