@@ -33,6 +33,7 @@ from drafter_svc.types import ChainShape, Draft, DrafterStep, DrafterStepResult
 from specdec.cost_profile import (AUTO_CHAIN_KS, AUTO_TREES, VERIFY_WIDTHS, StepCost, chain_shape, predraft_shape,
                                   tree_shape)
 from specdec.draft_tree import DraftTree
+from specdec.errors import SequenceError
 from specdec.log import configure_logging
 from specdec.rpc import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specdec.serving import run, serve
@@ -73,7 +74,6 @@ class StandInVerifier:
         self.time = step_time
         self.vocab = vocab
         self.table = SequenceTable(max_sequences, vocab, max_context)
-        self.max_context = max_context
         self.aux_width = aux_width
         self.hidden_for: set[str] = set()
         # the "hidden states" sent: bf16, or packed as --hidden-states-fp8 packs them (specdec/model/fp8_rows.py)
@@ -91,7 +91,7 @@ class StandInVerifier:
         res, rows = VerifierStepResult(req.step), 0
         for o in req.open:
             state = self.table.open(o.seq_id, o.prompt_ids)
-            if not hasattr(state, "tokens"):
+            if isinstance(state, SequenceError):
                 res.errors.append(state)
                 continue
             if o.want_hidden and self.aux_width:
@@ -129,7 +129,6 @@ class StandInDrafter:
         self.time = step_time
         self.vocab = vocab
         self.table = SequenceTable(max_sequences, vocab, max_context)
-        self.max_context = max_context
         self.acceptance = acceptance
 
     def close(self, seq_ids: list[str]) -> None:
@@ -144,7 +143,7 @@ class StandInDrafter:
             if state is None:
                 prompts = True
                 state = self.table.open(item.seq_id, item.append_ids)
-                if not hasattr(state, "tokens"):
+                if isinstance(state, SequenceError):
                     res.errors.append(state)
                     continue
             else:
@@ -162,7 +161,6 @@ class StandInDrafter:
             res.drafts.append(Draft(item.seq_id, item.committed_len, len(item.assumed_ids), tree))
         self.time.sleep(rows, prompts)
         return res
-
 
     def _wrong(self, token: int, j: int) -> int:
         """A token other than `token` (the j-th such)."""

@@ -73,8 +73,9 @@ class StandInCluster:
 
     def __init__(self, a: argparse.Namespace, work: Path) -> None:
         make_tokenizer(work)
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.logs = work
+        self.procs: dict[str, tuple[subprocess.Popen, str]] = {}   # name -> (process, its address)
+        self.work = work
+        self.logs = []
         engine = [sys.executable, "-m", "benchmarks.stand_in", "--vocab", str(VOCAB), "--aux-width", str(a.aux_width)]
         verifier = self._spawn("verifier", [*engine, "--role", "verifier", *step_time(a.verify_ms),
                                             *(["--hidden-states-fp8"] if a.hidden_states_fp8 else [])])
@@ -84,19 +85,20 @@ class StandInCluster:
         self.gateway = self._spawn("gateway", [sys.executable, "-m", "specdec.cli", "gateway", "--tokenizer", str(work),
                                                "--verifier", verifier, "--drafter", drafter,
                                                "--metrics-listen", self.metrics])
-        for name, proc in self.procs.items():
-            wait_serving(proc.address, 120, proc)
+        for proc, address in self.procs.values():
+            wait_serving(address, 120, proc)
 
     def _spawn(self, name: str, argv: list[str]) -> str:
         address = f"127.0.0.1:{free_port()}"
-        log = open(self.logs / f"{name}.log", "w")
-        proc = subprocess.Popen([*argv, "--listen", address], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        proc.address = address
-        self.procs[name] = proc
+        self.logs.append(log := open(self.work / f"{name}.log", "w"))
+        self.procs[name] = (subprocess.Popen([*argv, "--listen", address], cwd=REPO, stdout=log,
+                                             stderr=subprocess.STDOUT), address)
         return address
 
     def stop(self) -> None:
-        stop_all(list(self.procs.values()), timeout=10)
+        stop_all([proc for proc, _ in self.procs.values()], timeout=10)
+        for log in self.logs:
+            log.close()
 
 
 def auto_choices(metrics: str) -> dict[str, float]:

@@ -48,11 +48,11 @@ class Backend:
     """Records, at each send, the tokens committed so far and those the client had taken."""
     address = "stand-in"
 
-    def __init__(self, r: ActiveRequest, client_box: list) -> None:
-        self.r, self.client_box, self.sends = r, client_box, []
+    def __init__(self, r: ActiveRequest, client: Client) -> None:
+        self.r, self.client, self.sends = r, client, []
 
     def record(self, role: str) -> None:
-        self.sends.append((role, len(self.r.tokens) - len(PROMPT), self.client_box[0].taken))
+        self.sends.append((role, len(self.r.tokens) - len(PROMPT), self.client.taken))
 
     def reset(self) -> None:
         pass
@@ -89,15 +89,13 @@ async def serve(mode: Mode) -> list[tuple[str, int, int]]:
     req = GenerationRequest("r", PROMPT, NEW_TOKENS, [], False, SpecSettings(mode, k=2, overlap=False), GREEDY)
     r = ActiveRequest(req=req, seq_id="s0", mode=mode, detok=Detokenizer(), sampling=GREEDY,
                       drafter=None if mode == Mode.OFF else Drafter.address)
-    box: list = []
-    verifier = Verifier(r, box)
+    client = Client(r)
+    verifier, drafter = Verifier(r, client), Drafter(r, client)
     sched = Scheduler(verifier, 4, set())
-    drafter = Drafter(r, box)
     sched.drafters[Drafter.address] = drafter
-    box.append(Client(r))
     sched.submit(r)
     task = asyncio.get_running_loop().create_task(sched.run())
-    await asyncio.wait_for(box[0].task, 10)
+    await asyncio.wait_for(client.task, 10)
     task.cancel()
     return sorted(verifier.sends + drafter.sends, key=lambda s: s[1])
 
