@@ -58,7 +58,7 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
             log.info("prompt chunks fold into the verify forward (--fold-prefill)", graph_rows=engine.graph_rows)
         info.max_context = engine.max_context
         info.aux_hidden_layers.extend(cfg.aux_hidden_layers)
-        if cfg.hidden_states_fp8 and cfg.aux_hidden_layers:
+        if engine.hidden_fp8 and cfg.aux_hidden_layers:
             log.info("hidden states travel packed to float8 (--hidden-states-fp8)")
         servicer = VerifierServicer(engine, info, log, executor)
         register = lambda server: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)  # noqa: E731
