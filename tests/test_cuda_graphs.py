@@ -132,8 +132,8 @@ def check_padded_prefill(path, device: str, dtype: torch.dtype, graphs, tol: flo
 
 
 def test_padded_tokens_stay_in_their_slot():
-    """A row's padded tokens write after its real ones, but never past its slot's last position
-    (a prompt's last chunk padded up to the graph's length can reach that far)."""
+    """A row's padded tokens write their KV into its slot's last position, which the engines keep
+    free for padding, never past its real tokens: that can be another row's (next test)."""
     seen = []
     graphs = EagerGraphs(lambda batch, index: seen.append(batch.write_pos.clone()) or torch.zeros(1, 1, 8),
                          8, 2, 20, torch.device("cpu"), (1,), (4, 8), last_logit=True)
@@ -142,12 +142,30 @@ def test_padded_tokens_stay_in_their_slot():
     batch = ForwardBatch.build(torch.zeros(1, 3, dtype=torch.long), pos, torch.tensor([0]), pos, torch.tensor([15]),
                                causal_region(torch.tensor([3]), 3), kv_len=18)
     assert graphs.run(batch, torch.tensor([[2]])) is not None
-    assert seen[-1].tolist() == [[15, 16, 17, 18]]
-    pos = torch.tensor([[14, 15, 16, 17, 18]])  # five tokens padded to eight: the pads past 19 land on 19
-    batch = ForwardBatch.build(torch.zeros(1, 5, dtype=torch.long), pos, torch.tensor([0]), pos, torch.tensor([14]),
-                               causal_region(torch.tensor([5]), 5), kv_len=19)
+    assert seen[-1].tolist() == [[15, 16, 17, 19]]
+    pos = torch.tensor([[4, 5, 6, 7, 8]])  # five tokens padded to eight
+    batch = ForwardBatch.build(torch.zeros(1, 5, dtype=torch.long), pos, torch.tensor([0]), pos, torch.tensor([4]),
+                               causal_region(torch.tensor([5]), 5), kv_len=9)
     graphs.run(batch, torch.tensor([[4]]))
-    assert seen[-1].tolist() == [[14, 15, 16, 17, 18, 19, 19, 19]]
+    assert seen[-1].tolist() == [[4, 5, 6, 7, 8, 19, 19, 19]]
+
+
+def test_padded_tokens_never_write_where_another_row_of_the_forward_does():
+    """With --fold-prefill a prompt rides in a verify forward as consecutive rows of one slot. Its
+    first row padded to the graph's length must not write where its second row's real tokens do
+    (on the GPU the writes race, and the second row's KV was garbage half the time)."""
+    seen = []
+    graphs = EagerGraphs(lambda batch: seen.append((batch.slots.clone(), batch.write_pos.clone()))
+                         or torch.zeros(2, 5, 8), 8, 3, 40, torch.device("cpu"), (2,), (5,))
+    graphs.capture()
+    pos = torch.tensor([[10, 11, 12], [13, 14, 15]])   # one prompt's tokens 10..15 in rows of 3, slot 1
+    batch = ForwardBatch.build(torch.zeros(2, 3, dtype=torch.long), pos, torch.tensor([1, 1]), pos,
+                               torch.tensor([10, 13]), causal_region(torch.tensor([3, 3]), 3), kv_len=16)
+    assert graphs.run(batch) is not None
+    slots, write_pos = seen[-1]
+    real = {(1, p) for p in range(10, 16)}
+    pads = {(int(slots[r]), int(write_pos[r, c])) for r in range(2) for c in range(3, 5)}
+    assert pads and not pads & real, sorted(pads & real)
 
 
 def test_logits_equal_unpadded_and_odd_shapes_fall_back(checkpoints):

@@ -8,12 +8,11 @@ a forward that fits a pair is copied into that graph's static inputs, padded, an
 - batch: padded up to the bucket with rows that write their KV into a scratch slot that no
   sequence owns (the runner allocates one slot more), so padding never touches real state;
 - query length n (tokens per sequence): padded up to the captured length with tokens that see
-  only themselves and write KV past the sequence's real entries (room the slot keeps for drafts,
-  overwritten before it is ever read);
+  only themselves and write their KV into the slot's last position, which the engines keep free
+  for padding (not past the row's real tokens: with --fold-prefill the next row of the forward
+  may be the same prompt's next chunk, and its real KV lies there);
 - the region mask must be the step's own tokens (R == n: chains, trees, single tokens, prompt
   chunks); tree-draft steps (whose region also covers earlier fed nodes) run eagerly.
-- padded tokens' KV writes are clamped to the slot's last position, which the engines keep free
-  for padding (a prompt chunk padded from 70 to 128 tokens may reach past the slot's end).
 
 A family graphs either all-position logits (verify and draft steps, `logit_index` None) or, with
 `last_logit`, one position per row (prefill chunks: `logit_index` [B, 1], PREFILL_QUERY_LENS, at
@@ -147,9 +146,8 @@ class GraphedForward:
         s.positions[:b, :n] = batch.positions
         s.write_pos[:b, :n] = batch.write_pos
         s.region_mask[:b, :n, :n] = batch.region_mask
-        if gn > n:  # padded query tokens of real rows: past the real ones, seeing only themselves
-            s.write_pos[:b, n:] = (batch.write_pos[:, n - 1:n] + pad.write_pos[:b, 1:gn - n + 1]).clamp(
-                max=self.slot_len - 1)
+        if gn > n:  # padded query tokens of real rows: seeing only themselves, writing the slot's last position
+            s.write_pos[:b, n:] = self.slot_len - 1
             s.positions[:b, n:] = batch.positions[:, n - 1:n]
         if g.logit_index is not None:
             g.logit_index.zero_()
