@@ -54,8 +54,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     p.add_argument("--modes", nargs="+", choices=list(CONFIGS), default=list(MODES))
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-    p.add_argument("--fold-prefill", action="store_true",
-                   help="start the verifier with --fold-prefill (prompt chunks ride in the verify forward)")
+    p.add_argument("--fold-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="start the verifier with --fold-prefill or --no-fold-prefill (prompt chunks ride in the "
+                        "verify forward; default: the verifier's own, on for cuda)")
     p.add_argument("--eagle3-drafter", action="store_true",
                    help="random part: draft with a random EAGLE-3 head for the target instead of the 1B draft model "
                         "(its drafts rewritten to the same controlled acceptance)")
@@ -117,7 +118,7 @@ def drafter_extra(a) -> tuple[str, ...]:
 
 
 def verifier_extra(a) -> tuple[str, ...]:
-    return ("--fold-prefill",) if a.fold_prefill else ()
+    return () if a.fold_prefill is None else ("--fold-prefill" if a.fold_prefill else "--no-fold-prefill",)
 
 
 def _random_part(a, cells, dtype: str, work: Path, state: SuiteState) -> None:

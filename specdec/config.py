@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.env import env
+from specdec.env import env, env_flag
 from specdec.security import (
     TlsConfig,
     add_backend_tls_arguments,
@@ -76,8 +76,8 @@ class EngineServiceConfig:
     prefill_chunk: int = 512         # verifier: prompt tokens prefilled per step over all sequences (0: whole)
     cpu_threads: int = 0             # on cpu: torch threads over all TP ranks (0: every available core)
     hedge_predrafts: bool = False    # drafter (EAGLE-3): overlap pre-drafts also for each earlier rejection
-    fold_prefill: bool = False       # verifier: prompt chunks ride in the verify forward as extra rows
-    hidden_states_fp8: bool = False  # verifier: verdicts carry hidden states packed to float8 (half the bytes)
+    fold_prefill: bool = False       # verifier: prompt chunks ride in the verify forward as extra rows (cuda default)
+    hidden_states_fp8: bool = False  # verifier: verdicts carry hidden states packed to float8 (cuda default)
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
@@ -120,21 +120,21 @@ class EngineServiceConfig:
                            help="prompt tokens prefilled per step over all new sequences, so a long prompt delays "
                                 "running streams by one chunk's forward per step, not by its whole prefill; "
                                 "0: whole prompts at once (env SPECDEC_PREFILL_CHUNK)")
-            p.add_argument("--fold-prefill", action=argparse.BooleanOptionalAction,
-                           default=env("FOLD_PREFILL", "0") not in ("0", "false", "no"),
+            p.add_argument("--fold-prefill", action=argparse.BooleanOptionalAction, default=env_flag("FOLD_PREFILL"),
                            help="prompt chunks ride in the step's verify forward as extra rows (one pass over the "
-                                "weights, not two; graphs are captured for twice --max-sequences rows); "
-                                "experimental, not yet measured on a GPU (env SPECDEC_FOLD_PREFILL=1)")
+                                "weights, not two; graphs are captured for twice --max-sequences rows). Default: on "
+                                "cuda, where a second pass costs what the step does; off on cpu, where a forward "
+                                "costs its compute (env SPECDEC_FOLD_PREFILL=1/0)")
             p.add_argument("--aux-hidden-layers", default=env("AUX_HIDDEN_LAYERS", ""),
                            help="comma-separated target layers (0..num_layers) whose input hidden states every "
                                 "verdict carries for the tokens it commits, for an EAGLE-3 drafter; e.g. 2,16,29 "
                                 "(env SPECDEC_AUX_HIDDEN_LAYERS; default none)")
             p.add_argument("--hidden-states-fp8", action=argparse.BooleanOptionalAction,
-                           default=env("HIDDEN_STATES_FP8", "0") not in ("0", "false", "no"),
+                           default=env_flag("HIDDEN_STATES_FP8"),
                            help="verdicts carry the hidden states packed to float8 with a scale per row, half "
-                                "the bytes of bf16 on every hop to the drafter (drafts only: output unchanged); "
-                                "packed on the verifier's device, unpacked on the drafter's, so it pays on GPUs "
-                                "(env SPECDEC_HIDDEN_STATES_FP8=1)")
+                                "the bytes of bf16 on every hop to the drafter (drafts only: output unchanged). "
+                                "Default: on cuda, where it is packed on the device; off on cpu "
+                                "(env SPECDEC_HIDDEN_STATES_FP8=1/0)")
         if role == "drafter":
             p.add_argument("--eagle3-head", metavar="DIR", default=env("EAGLE3_HEAD"),
                            help="draft with this EAGLE-3 head (the published checkpoint layout) instead of a draft "
@@ -178,8 +178,17 @@ class EngineServiceConfig:
                    parse_layers(getattr(a, "aux_hidden_layers", "")),
                    Path(a.eagle3_head) if getattr(a, "eagle3_head", None) else None, a.cost_profile, a.metrics_listen, a.drain_seconds,
                    server_tls_from_args(a), getattr(a, "prefill_chunk", 0), a.cpu_threads,
-                   getattr(a, "hedge_predrafts", False), getattr(a, "fold_prefill", False),
-                   getattr(a, "hidden_states_fp8", False))
+                   getattr(a, "hedge_predrafts", False), on_cuda_unless_set(a, "fold_prefill"),
+                   on_cuda_unless_set(a, "hidden_states_fp8"))
+
+
+def on_cuda_unless_set(a: argparse.Namespace, flag: str) -> bool:
+    """A verifier flag whose default (None: not given) is on where it runs on cuda; False for a
+    role without the flag."""
+    if not hasattr(a, flag):
+        return False
+    value = getattr(a, flag)
+    return a.device == "cuda" if value is None else value
 
 
 def parse_layers(text: str) -> tuple[int, ...]:

@@ -27,7 +27,7 @@ def test_eagle3_chains_are_lossless(checkpoints, head, start_cluster, fp8):
     """fp8-rows: the verifier packs the hidden states to float8 (--hidden-states-fp8)."""
     target = checkpoints["llama-gqa"]
     cluster = start_cluster(target, target, verifier_extra=["--aux-hidden-layers", "1,2,3",
-                                                            *(["--hidden-states-fp8"] if fp8 else [])],
+                                                            "--hidden-states-fp8" if fp8 else "--no-hidden-states-fp8"],
                             drafter_extra=["--eagle3-head", str(head)])
     for prompt in PROMPTS:
         want = hf_greedy(target, prompt, 24)

@@ -55,7 +55,7 @@ def test_published_head_for_an_8b_shaped_target_serves_losslessly(llama8b_head, 
     target, head = llama8b_head
     want = hf_greedy_cuda(target, PROMPTS, 16)
     cluster = start_cluster(target, target, device="cuda", dtype="float32",
-                            verifier_extra=["--aux-hidden-layers", "1,2,3", *(["--hidden-states-fp8"] if fp8 else [])],
+                            verifier_extra=["--aux-hidden-layers", "1,2,3", "--hidden-states-fp8" if fp8 else "--no-hidden-states-fp8"],
                             drafter_extra=["--eagle3-head", str(head)])
     assert list(cluster.info("drafter").aux_hidden_layers) == [1, 2, 3]
     for prompt, expected in zip(PROMPTS, want):

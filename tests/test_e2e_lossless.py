@@ -90,7 +90,7 @@ def test_concurrent_requests_equal_their_solo_runs(checkpoints, start_cluster, f
     what the target alone produces for it. Also with --fold-prefill: prompts arriving while others
     run are prefilled as extra rows of the verify forward."""
     target = checkpoints["llama-gqa"]
-    cluster = start_cluster(target, checkpoints["llama-gqa/draft"], verifier_extra=["--fold-prefill"] if fold else [])
+    cluster = start_cluster(target, checkpoints["llama-gqa/draft"], verifier_extra=["--fold-prefill" if fold else "--no-fold-prefill"])
     jobs = []
     for i in range(16):
         prompt = [(7 * i + j * 13) % 380 + 2 for j in range(3 + i % 5 * 4)]

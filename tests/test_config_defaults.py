@@ -1,0 +1,45 @@
+"""Verifier options whose default depends on the device: --fold-prefill and --hidden-states-fp8
+are on where the verifier runs on cuda (measured there, BENCHMARKS.md) and off on cpu; a flag or
+its SPECDEC_* variable, either way, wins over the default."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from specdec.config import EngineServiceConfig
+
+
+def verifier(argv: list[str], device: str) -> EngineServiceConfig:
+    p = argparse.ArgumentParser()
+    EngineServiceConfig.add_arguments(p, "verifier")
+    args = p.parse_args(argv)
+    args.device = device   # as the CLI resolves it before building the config
+    return EngineServiceConfig.from_args(args, "verifier", Path("/model"))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_on_by_default_on_cuda_only(device):
+    cfg = verifier([], device)
+    assert (cfg.fold_prefill, cfg.hidden_states_fp8) == (device == "cuda", device == "cuda")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_flags_and_variables_win(device, monkeypatch):
+    cfg = verifier(["--fold-prefill", "--no-hidden-states-fp8"], device)
+    assert (cfg.fold_prefill, cfg.hidden_states_fp8) == (True, False)
+    monkeypatch.setenv("SPECDEC_FOLD_PREFILL", "0")
+    monkeypatch.setenv("SPECDEC_HIDDEN_STATES_FP8", "1")
+    cfg = verifier([], device)
+    assert (cfg.fold_prefill, cfg.hidden_states_fp8) == (False, True)
+
+
+def test_a_drafter_has_neither():
+    p = argparse.ArgumentParser()
+    EngineServiceConfig.add_arguments(p, "drafter")
+    args = p.parse_args([])
+    args.device = "cuda"
+    cfg = EngineServiceConfig.from_args(args, "drafter", Path("/model"))
+    assert not cfg.fold_prefill and not cfg.hidden_states_fp8
