@@ -1,6 +1,7 @@
-"""Verifier options whose default depends on the device: --fold-prefill and --hidden-states-fp8
-are on where the verifier runs on cuda (measured there, BENCHMARKS.md) and off on cpu; a flag or
-its SPECDEC_* variable, either way, wins over the default."""
+"""Verifier options whose default depends on the device: --hidden-states-fp8 is on where the
+verifier runs on cuda (measured there, BENCHMARKS.md) and off on cpu; --fold-prefill is off until
+its CUDA-graph test passes on a GPU with the padding fix. A flag or its SPECDEC_* variable, either
+way, wins over the default."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def verifier(argv: list[str], device: str) -> EngineServiceConfig:
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_on_by_default_on_cuda_only(device):
     cfg = verifier([], device)
-    assert (cfg.fold_prefill, cfg.hidden_states_fp8) == (device == "cuda", device == "cuda")
+    assert (cfg.fold_prefill, cfg.hidden_states_fp8) == (False, device == "cuda")
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

@@ -113,3 +113,17 @@ def test_folded_prompts_replayed_as_cuda_graphs(checkpoints):
     folded = engine(path, 8, fold=True, device="cuda", dtype=torch.float32, graphs=True)
     check_same(scenario(apart, 5), scenario(folded, 5), 1e-4)
     assert folded.runner.forwards < apart.runner.forwards
+
+
+def test_folded_prompts_through_the_graph_padding(checkpoints, monkeypatch):
+    """On the CPU, the folded steps through the graph machinery (batch and query padding, static
+    inputs; replay replaced by an eager forward over them, as tests/test_cuda_graphs.py does)."""
+    from test_cuda_graphs import EagerGraphs, count_replays
+
+    monkeypatch.setattr("specdec.model.runner.GraphedForward", EagerGraphs)
+    path = checkpoints["llama-gqa"]
+    apart, folded = engine(path, 8, fold=False), engine(path, 8, fold=True, graphs=True)
+    replayed = count_replays(folded.runner.graphs)
+    check_same(scenario(apart, 5), scenario(folded, 5), 1e-9)
+    assert folded.runner.forwards < apart.runner.forwards
+    assert sum(r is not None for r in replayed) == folded.runner.forwards - 1   # all but step 0's prefill
