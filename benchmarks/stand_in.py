@@ -76,6 +76,7 @@ class StandInVerifier:
         self.table = SequenceTable(max_sequences, vocab, max_context)
         self.aux_width = aux_width
         self.hidden_for: set[str] = set()
+        self.held: dict[str, int] = {}   # rows kept back (hold_hidden) per sequence, sent with its next verdict
         # the "hidden states" sent: bf16, or packed as --hidden-states-fp8 packs them (specdec/model/fp8_rows.py)
         self.rows = (torch.zeros(max_context, aux_width + 4, dtype=torch.uint8) if fp8 else
                      torch.zeros(max_context, aux_width, dtype=torch.bfloat16))
@@ -84,10 +85,14 @@ class StandInVerifier:
         for s in seq_ids:
             self.table.close(s)
             self.hidden_for.discard(s)
+            self.held.pop(s, None)
 
     def step(self, req: VerifierStep) -> VerifierStepResult:
         self.close(req.close)
         self.hidden_for -= set(req.stop_hidden)
+        for s in req.stop_hidden:
+            self.held.pop(s, None)
+        hold = set(req.hold_hidden)
         res, rows = VerifierStepResult(req.step), 0
         for o in req.open:
             state = self.table.open(o.seq_id, o.prompt_ids)
@@ -102,7 +107,7 @@ class StandInVerifier:
             state = self.table.get(item.seq_id)
             accepted = self._walk(state.tokens, item.draft)
             rows += 1 + len(item.draft)
-            res.verdicts.append(self._commit(state, accepted, len(accepted) - 1, len(accepted)))
+            res.verdicts.append(self._commit(state, accepted, len(accepted) - 1, len(accepted), hold))
         self.time.sleep(rows, bool(req.open))
         return res
 
@@ -117,9 +122,15 @@ class StandInVerifier:
                 return accepted
             node = child
 
-    def _commit(self, state, accepted: list[int], accepted_drafts: int, hidden_rows: int) -> Verdict:
+    def _commit(self, state, accepted: list[int], accepted_drafts: int, hidden_rows: int,
+                hold: set[str] = frozenset()) -> Verdict:
         state.tokens += accepted
-        hidden = self.rows[:hidden_rows] if state.seq_id in self.hidden_for else None
+        hidden = None
+        if state.seq_id in self.hidden_for:
+            if state.seq_id in hold:
+                self.held[state.seq_id] = self.held.get(state.seq_id, 0) + hidden_rows
+            else:
+                hidden = self.rows[:self.held.pop(state.seq_id, 0) + hidden_rows]
         return Verdict(state.seq_id, len(state.tokens), accepted, accepted_drafts, hidden)
 
 

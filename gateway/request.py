@@ -126,6 +126,7 @@ class ActiveRequest:
     # EAGLE-3: the verifier's hidden-state rows (TensorPayload) of committed tokens not yet sent to
     # the drafter -- they travel with the next item's append_ids.
     hidden_rows: list = field(default_factory=list)
+    rows_held: bool = False                     # the verifier keeps its hidden states (auto ran it off)
     stats: Stats = field(default_factory=Stats)
     cancelled: bool = False
     finished: bool = False

@@ -123,10 +123,12 @@ class Scheduler:
         # Still prefilling (the verifier prefills long prompts in chunks): no verdict yet, nothing to verify.
         prefilling = any(r.opening for r in self.active.values())
         continuing = [r for r in self.active.values() if not r.opening and not self.hold.held(r)]
+        released = False
         if self.auto is not None:
             self.auto.plan(continuing, prefilling)
             for r in self.auto.take_parked():
                 self._park(r)
+            released = self._hold_or_release(continuing)
         started = time.perf_counter()
         self.tally.queue.set(len(self.pending))
         self.tally.active.set(len(self.active))
@@ -145,6 +147,7 @@ class Scheduler:
                                             draft=tree_to_proto(r.draft or DraftTree())) for r in continuing],
             close=self.close_verifier,
             stop_hidden_states=self.stop_hidden,
+            hold_hidden_states=sorted(self.auto.holding) if self.auto is not None else [],
         )
         self.close_verifier, self.stop_hidden = [], []
         overlap = [r for r in continuing if r.mode == Mode.CHAIN and r.settings.overlap and r.draft]
@@ -156,12 +159,27 @@ class Scheduler:
         predraft = await predrafts if predrafts is not None else (0.0, 0.0)
         waited = time.perf_counter() - started   # for the drafts, then the verify (and pre-drafts)
         self._apply_verdicts(verdicts)
-        if self.auto is not None and continuing:
+        if self.auto is not None and continuing and not released:
             # The whole step after the plan: what the gateway does per step for a choice (draft
             # messages, tree packing, verdicts, emission) counts as much as the services' time.
             self.auto.observe_step(time.perf_counter() - started, draft[0], prefilling)
         self.tally.flush(time.perf_counter() - t0, waited, (verify_rtt, verdicts.engine_seconds), draft,
                          predraft[0])
+
+    def _hold_or_release(self, continuing: list[ActiveRequest]) -> bool:
+        """The verifier keeps the hidden states of the requests auto runs off (AutoController.holding)
+        and sends them with the next verdict of a step that does not hold them. A request planned
+        to draft while its rows are held runs off this step instead, and drafts from the next.
+        -> whether that happened (the step then ran another plan than auto's: not measured)."""
+        released = False
+        for r in continuing:
+            if r.seq_id in self.auto.holding:
+                r.rows_held = True
+            elif r.rows_held:
+                r.rows_held = False   # this step's verdict brings them
+                if r.mode != Mode.OFF and r.draft is None:
+                    r.mode, r.choice, released = Mode.OFF, "off", True
+        return released
 
     def _admit(self) -> list[ActiveRequest]:
         opens = []
@@ -366,7 +384,7 @@ class Scheduler:
             self.on_done(r)
             r.seq_id, r.prefill_leader = uuid.uuid4().hex, ""
             r.draft = r.predraft = None
-            r.drafter_len, r.hidden_rows = 0, []
+            r.drafter_len, r.hidden_rows, r.rows_held = 0, [], False
         self.active.clear()
         self.pending.clear()
         # Both ends free these sequences when their streams end: reset instead of closing one by one.

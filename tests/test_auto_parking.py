@@ -130,3 +130,48 @@ def test_a_drafter_that_pays_is_never_settled_off():
     late = request(99)
     auto.admit(late)
     assert not late.parked
+
+
+def test_plans_of_off_hold_the_hidden_states_on_the_verifier():
+    """Before auto settles, a plan of off for the group keeps its requests' hidden states on the
+    verifier (AutoController.holding), so those steps cost what mode off's do and price off
+    truly; a plan that drafts holds none. A scout is never held (its probe drafts at once), nor is
+    anything without hidden states."""
+    for hidden in (True, False):
+        auto = controller(hidden_states=hidden)
+        reqs = [request(i) for i in range(3)]
+        reqs[2].scout = True   # kept ready for a probe: never held
+        seen = set()
+        for _ in range(120):
+            auto.plan(reqs)
+            if not auto.step_plans:   # settled on off: every request parked, no plan
+                assert not auto.holding
+                break
+            (_, plan, _), = auto.step_plans
+            kind = "off" if plan.choice.mode == Mode.OFF else "drafts"
+            seen.add(kind)
+            assert auto.holding == ({"s0", "s1"} if hidden and kind == "off" else set()), kind
+            for r in reqs:
+                r.draft_family = draft_family(r.settings, r.mode)
+                auto.observe_verdict(r, r.settings.k if r.mode == Mode.CHAIN else 0, 0)
+            auto.observe_step(step_seconds(reqs))
+        assert seen == {"off", "drafts"}
+
+
+def test_a_held_request_fetches_its_hidden_states_before_it_drafts():
+    """The scheduler's side: a request whose hidden states the verifier holds and which auto now
+    plans to draft runs off for one step (its verdict brings them), then drafts; the step is not
+    measured as the plan's."""
+    from types import SimpleNamespace
+
+    from gateway.scheduler import Scheduler
+
+    a, b = request(0), request(1)
+    sched = SimpleNamespace(auto=SimpleNamespace(holding={"s0", "s1"}))
+    assert not Scheduler._hold_or_release(sched, [a, b]) and a.rows_held and b.rows_held
+    a.mode, b.mode = Mode.CHAIN, Mode.OFF   # auto's next plan: a drafts, b stays off but is not held
+    sched.auto.holding = set()
+    assert Scheduler._hold_or_release(sched, [a, b])
+    assert a.mode == Mode.OFF and not a.rows_held and not b.rows_held
+    a.mode = Mode.CHAIN
+    assert not Scheduler._hold_or_release(sched, [a, b]) and a.mode == Mode.CHAIN

@@ -132,6 +132,37 @@ def test_stopped_hidden_states_leave_the_verdicts(checkpoints):
         lens = {v.seq_id: v.committed_len for v in got.verdicts}
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-rows", "fp8-rows"])
+def test_held_hidden_states_come_with_the_next_verdict_in_order(checkpoints, fp8):
+    """hold_hidden (auto runs the sequence off for now): its rows stay on the verifier and come,
+    in order, with its next verdict of a step that does not hold it - exactly the rows that
+    verdicts without holding carried, so the drafter's catch-up sees no difference. Rows held when
+    the sequence is parked or closed are dropped."""
+    holding, control = (engine(checkpoints["llama-gqa"], graphed=False) for _ in range(2))
+    holding.hidden_fp8 = control.hidden_fp8 = fp8
+    opened = [OpenSequence(s, p, want_hidden=True) for s, p in (("a", [5, 6, 7]), ("b", [9, 4]))]
+    res = [e.step(VerifierStep(0, open=opened)) for e in (holding, control)]
+    lens = {v.seq_id: v.committed_len for v in res[0].verdicts}
+    want, got = {"a": [], "b": []}, {"a": [], "b": []}
+    for step, hold in [(1, ["a"]), (2, ["a", "b"]), (3, []), (4, ["a"])]:
+        items = [VerifyItem(s, n, DraftTree.chain([9, 9] if step % 2 else [])) for s, n in lens.items()]
+        held = holding.step(VerifierStep(step, verify=items, hold_hidden=hold))
+        plain = control.step(VerifierStep(step, verify=items))
+        assert [v.accepted_ids for v in held.verdicts] == [v.accepted_ids for v in plain.verdicts]
+        assert {v.seq_id for v in held.verdicts if v.hidden is not None} == {"a", "b"} - set(hold), step
+        for h, p in zip(held.verdicts, plain.verdicts):
+            want[p.seq_id].append(p.hidden)
+            if h.hidden is not None:
+                got[h.seq_id].append(h.hidden)
+        lens = {v.seq_id: v.committed_len for v in held.verdicts}
+    assert len(got["a"]) == 1 and torch.equal(got["a"][0], torch.cat(want["a"][:3]))   # steps 1-3 at once
+    assert torch.equal(torch.cat(got["b"]), torch.cat(want["b"]))                       # 1, 2-3, 4
+    holding.step(VerifierStep(5, verify=[VerifyItem("b", lens["b"], DraftTree())], hold_hidden=["b"]))
+    assert set(holding.hidden_held) == {"a", "b"}
+    holding.step(VerifierStep(6, stop_hidden=["a"], close=["b"]))
+    assert not holding.hidden_held
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_payload_round_trip(dtype):
     t = torch.randn(3, 10).to(dtype)

@@ -39,6 +39,7 @@ class VerifierEngine:
             raise ValueError(f"aux hidden-state layers {list(aux_layers)} must lie in 0..{spec.num_layers}")
         runner.aux_layers = tuple(aux_layers)
         self.hidden_wanted: set[str] = set()  # sequences whose verdicts carry hidden states
+        self.hidden_held: dict[str, list[torch.Tensor]] = {}   # rows kept back (hold_hidden), host, in order
         self.hidden_fp8 = hidden_fp8
         self.runner = runner
         self.spec = spec
@@ -56,6 +57,7 @@ class VerifierEngine:
     def close(self, seq_ids: list[str]) -> None:
         self.table.close_all(seq_ids)
         self.hidden_wanted.difference_update(seq_ids)
+        self._drop_held(seq_ids)
         for sid in seq_ids:
             if sid in self.prefills:
                 self.prefills.drop(sid)
@@ -64,6 +66,7 @@ class VerifierEngine:
         result = VerifierStepResult(req.step)
         self.close(req.close)
         self.hidden_wanted.difference_update(req.stop_hidden)
+        self._drop_held(req.stop_hidden)
         opened: list[tuple[SequenceState, str]] = []
         for o in req.open:
             problem = o.sampling.problem()
@@ -89,10 +92,22 @@ class VerifierEngine:
             else:
                 items.append((checked, item))
         if items:
-            result.verdicts += self._verify(items, chunks)
+            result.verdicts += self._verify(items, chunks, set(req.hold_hidden))
         elif chunks:   # every verify item was refused: nothing to ride on
             result.verdicts += self._prefill(chunks)
         return result
+
+    def _drop_held(self, seq_ids: list[str]) -> None:
+        for sid in seq_ids:
+            self.hidden_held.pop(sid, None)
+
+    def _hold_or_release(self, seq_id: str, rows: torch.Tensor, hold: set[str]) -> torch.Tensor | None:
+        """A verdict's rows: kept back while the gateway says hold, else sent after any kept before."""
+        if seq_id in hold:
+            self.hidden_held.setdefault(seq_id, []).append(rows)
+            return None
+        held = self.hidden_held.pop(seq_id, None)
+        return rows if held is None else torch.cat([*held, rows])
 
     def _foldable(self, chunks: list[Chunk], verify: list[VerifyItem]) -> bool:
         """Whether this step's prompt chunks fit as rows of its verify forward (as wide as its widest
@@ -194,9 +209,11 @@ class VerifierEngine:
         pos = upload_list([len(s.tokens) for s in states], self.device)[:, None]
         return sample_from(probs, uniforms(seed_tensor(params, self.device), pos, RESIDUAL)[:, 0])
 
-    def _verify(self, items: list[tuple[SequenceState, VerifyItem]], chunks: list[Chunk]) -> list[Verdict]:
+    def _verify(self, items: list[tuple[SequenceState, VerifyItem]], chunks: list[Chunk],
+                hold: set[str] = frozenset()) -> list[Verdict]:
         """The items' draft trees in one forward, with this step's prompt chunks as extra rows
-        when they ride along (fold_prefill); -> the prompts' verdicts, then the items'."""
+        when they ride along (fold_prefill); -> the prompts' verdicts, then the items'. hold: seq
+        ids whose hidden-state rows stay here this step (see _hold_or_release)."""
         states = [s for s, _ in items]
         trees = pack_trees([s.tokens[-1] for s in states], [it.draft for _, it in items], self.device)
         n = trees.tokens.shape[1]
@@ -257,7 +274,8 @@ class VerifierEngine:
         for i, (s, (*row, a, bonus, _)) in enumerate(zip(states, rows)):
             new = row[:a] + [bonus]
             s.tokens += new
-            out.append(Verdict(s.seq_id, len(s.tokens), new, a, hidden[i][:a + 1] if i in hidden else None))
+            carried = self._hold_or_release(s.seq_id, hidden[i][:a + 1], hold) if i in hidden else None
+            out.append(Verdict(s.seq_id, len(s.tokens), new, a, carried))
         return answered + out
 
     def _with_prompt_rows(self, batch: ForwardBatch, chunks: list[Chunk]):

@@ -18,6 +18,7 @@ class VerifierServicer(StepStreamServicer, verifier_pb2_grpc.VerifierServicer):
             verify=[VerifyItem(v.seq_id, v.committed_len, tree_from_proto(v.draft)) for v in msg.verify],
             close=list(msg.close),
             stop_hidden=list(msg.stop_hidden_states),
+            hold_hidden=list(msg.hold_hidden_states),
         )
 
     def result_to_proto(self, res: VerifierStepResult) -> verifier_pb2.VerifyStepResponse:

@@ -34,6 +34,7 @@ class VerifierStep:
     verify: list[VerifyItem] = field(default_factory=list)
     close: list[str] = field(default_factory=list)
     stop_hidden: list[str] = field(default_factory=list)   # verdicts no longer carry their hidden states
+    hold_hidden: list[str] = field(default_factory=list)   # this step's rows kept until a step without
 
 
 @dataclass
