@@ -261,3 +261,30 @@ def test_eval_head_script_reports_both_figures(checkpoints, tmp_path):
     assert got["decode_steps"] > 0 and 0 <= got["first_draft_right_decoding"] <= 1
     for key in ("mean_accepted_length_every_root", "mean_accepted_length_decoding"):
         assert 1.0 <= got[key] <= 3.0, got
+
+
+def test_a_time_budget_cuts_the_steps_and_fits_the_schedule(checkpoints, tmp_path, monkeypatch):
+    """--max-train-seconds: the step rate read between steps 10 and 30 sets how many steps fit the
+    budget (a clock that ticks one second per reading: 20 steps a second, 2 s gone by step 30 of a
+    4 s budget -> 31 + 40 steps of the 4,000 the epochs ask for), and the learning rate then ends
+    its cosine at the last of them."""
+    from specdec.train import trainer
+
+    assert trainer.steps_within(10.0, 31, 4.0, 5.0, 1000) == 61
+    assert trainer.steps_within(10.0, 31, 12.0, 5.0, 1000) == 31 and trainer.steps_within(1e9, 31, 1.0, 5.0, 90) == 90
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(trainer, "_clock", lambda: float(next(ticks)))
+    target_dir = checkpoints["llama-gqa"]
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval().requires_grad_(False)
+    train = self_distill(model, tok, build_prompts(0).train[:4], 8, 4)
+    spec = ModelSpec.from_pretrained(target_dir)
+    vocab = select_draft_vocab(train, spec.vocab_size, 64, [tok.eos_token_id])
+    cfg = TrainDrafterConfig(target_dir, tmp_path / "head", epochs=4000, batch_tokens=4096, ttt_steps=2,
+                             aux_layers=(1, 2, 3), max_train_seconds=4.0)
+    head = _new_head(cfg, spec, vocab, model)
+    lrs = []
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda opt, *a, **k: lrs.append(opt.param_groups[0]["lr"]))
+    steps, _ = _fit(cfg, head, model, train, vocab, torch.device("cpu"))
+    assert steps == len(lrs) == 71
+    assert lrs[-1] < 0.01 * cfg.lr   # the cosine reached its end at the last step

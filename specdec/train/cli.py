@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extra loss weight on roots right after a missed first draft: greedy decoding starts "
                         "its steps there far more often than at a random position (0: every root alike)")
     p.add_argument("--epochs", type=float, default=d.epochs)
+    p.add_argument("--max-train-seconds", type=float, default=None,
+                   help="train for at most about this long: fewer steps than --epochs gives if the measured step "
+                        "rate says so, the learning-rate schedule fitted to them (a machine lent by the minute)")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--batch-tokens", type=int, default=d.batch_tokens, help="padded tokens per training batch")
     p.add_argument("--max-len", type=int, default=d.max_len, help="longest training sequence (tokens)")
@@ -56,7 +59,7 @@ def config_from_args(a: argparse.Namespace, target: Path) -> TrainDrafterConfig:
         self_instruct_temperature=a.self_instruct_temperature, heldout=a.heldout, max_new_tokens=a.max_new_tokens,
         samples_per_prompt=a.samples_per_prompt, temperature=a.temperature, gen_batch=a.gen_batch,
         draft_vocab=a.draft_vocab, aux_layers=aux, ttt_steps=a.ttt_steps, root_weight=a.root_weight, epochs=a.epochs,
-        lr=a.lr, batch_tokens=a.batch_tokens, max_len=a.max_len, eval_k=a.eval_k, save_dtype=a.save_dtype)
+        max_train_seconds=a.max_train_seconds, lr=a.lr, batch_tokens=a.batch_tokens, max_len=a.max_len, eval_k=a.eval_k, save_dtype=a.save_dtype)
 
 
 def print_report(report: TrainReport, out: Path) -> None:

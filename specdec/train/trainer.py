@@ -53,6 +53,7 @@ class TrainDrafterConfig:
     decay: float = 0.8
     root_weight: float = 0.0            # extra loss weight on roots right after a missed draft (ttt_loss)
     epochs: float = 8.0
+    max_train_seconds: float | None = None   # fewer steps if the epochs would take longer (schedule fitted)
     lr: float = 5e-4
     batch_tokens: int = 16384
     max_len: int = 1024
@@ -183,21 +184,36 @@ def _target_pass(target, group: list[Sample], vocab: DraftVocab, aux_layers, dev
     return states[0].float(), aux, labels
 
 
+RATE_STEPS = (10, 30)   # --max-train-seconds: the step rate is read between these steps (past warm-up)
+_clock = time.perf_counter
+
+
+def steps_within(budget: float, done: int, elapsed: float, rate: float, planned: int) -> int:
+    """Steps a training run may take in all: the planned ones, or fewer where the budget left after
+    `done` steps in `elapsed` seconds holds fewer at `rate` steps a second (never fewer than done)."""
+    return max(done, min(planned, done + int(rate * max(0.0, budget - elapsed))))
+
+
 def _fit(cfg: TrainDrafterConfig, head: Eagle3Head, target, train: list[Sample], vocab: DraftVocab,
          device) -> tuple[int, float]:
     groups = _batches(train, cfg.batch_tokens, cfg.max_len)
-    total = max(1, int(len(groups) * cfg.epochs))
+    planned = max(1, int(len(groups) * cfg.epochs))
+    total = [planned]   # lowered once the step rate is known, under --max-train-seconds (the cosine follows)
     params = list(head.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    warmup = max(1, total // 30)
+    warmup = max(1, planned // 30)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total[0]) / total[0])))
     rng = random.Random(cfg.seed)
     order: list[int] = []
     head.train()
-    bar = tqdm(range(total), desc="training head", unit="step")
+    bar = tqdm(total=planned, desc="training head", unit="step")
     loss_now = 0.0
-    for step in bar:
+    started, marks = _clock(), {}
+    step = -1
+    while step + 1 < total[0]:
+        step += 1
+        bar.update()
         if not order:
             order = list(range(len(groups)))
             rng.shuffle(order)
@@ -210,12 +226,23 @@ def _fit(cfg: TrainDrafterConfig, head: Eagle3Head, target, train: list[Sample],
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
         sched.step()
-        if step % 10 == 0 or step == total - 1:   # host reads only when the bar is updated
+        if step % 10 == 0 or step == total[0] - 1:   # host reads only when the bar is updated
             loss_now = loss.item()
             acc = chain_stats(head, logits[:1], labels).per_position()[0]
             bar.set_postfix(loss=f"{loss_now:.3f}", first=f"{per_step[0].item():.3f}", acc0=f"{acc:.2f}")
+        if cfg.max_train_seconds is not None and step in RATE_STEPS:
+            marks[step] = _clock()   # just after a host read: the device has caught up
+            if len(marks) == 2:
+                lo, hi = RATE_STEPS
+                rate = (hi - lo) / max(marks[hi] - marks[lo], 1e-9)
+                total[0] = steps_within(cfg.max_train_seconds, hi + 1, marks[hi] - started, rate, planned)
+                if total[0] < planned:
+                    bar.total = total[0]
+                    print(f"time budget {cfg.max_train_seconds:.0f} s: {total[0]} of {planned} steps "
+                          f"({rate:.1f} steps/s)", flush=True)
+    bar.close()
     head.eval()
-    return total, loss_now
+    return total[0], loss_now
 
 
 @torch.no_grad()
