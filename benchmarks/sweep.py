@@ -56,7 +56,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--fold-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="start the verifier with --fold-prefill or --no-fold-prefill (prompt chunks ride in the "
-                        "verify forward; default: the verifier's own, on for cuda)")
+                        "verify forward; default: the verifier's own)")
     p.add_argument("--eagle3-drafter", action="store_true",
                    help="random part: draft with a random EAGLE-3 head for the target instead of the 1B draft model "
                         "(its drafts rewritten to the same controlled acceptance)")

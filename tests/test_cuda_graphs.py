@@ -153,7 +153,7 @@ def test_padded_tokens_stay_in_their_slot():
 def test_padded_tokens_never_write_where_another_row_of_the_forward_does():
     """With --fold-prefill a prompt rides in a verify forward as consecutive rows of one slot. Its
     first row padded to the graph's length must not write where its second row's real tokens do
-    (on the GPU the writes race, and the second row's KV was garbage half the time)."""
+    (on the GPU the writes race: the fold test's verdicts differed from the eager engine's)."""
     seen = []
     graphs = EagerGraphs(lambda batch: seen.append((batch.slots.clone(), batch.write_pos.clone()))
                          or torch.zeros(2, 5, 8), 8, 3, 40, torch.device("cpu"), (2,), (5,))

@@ -59,7 +59,8 @@ def config_from_args(a: argparse.Namespace, target: Path) -> TrainDrafterConfig:
         self_instruct_temperature=a.self_instruct_temperature, heldout=a.heldout, max_new_tokens=a.max_new_tokens,
         samples_per_prompt=a.samples_per_prompt, temperature=a.temperature, gen_batch=a.gen_batch,
         draft_vocab=a.draft_vocab, aux_layers=aux, ttt_steps=a.ttt_steps, root_weight=a.root_weight, epochs=a.epochs,
-        max_train_seconds=a.max_train_seconds, lr=a.lr, batch_tokens=a.batch_tokens, max_len=a.max_len, eval_k=a.eval_k, save_dtype=a.save_dtype)
+        max_train_seconds=a.max_train_seconds, lr=a.lr, batch_tokens=a.batch_tokens, max_len=a.max_len,
+        eval_k=a.eval_k, save_dtype=a.save_dtype)
 
 
 def print_report(report: TrainReport, out: Path) -> None:
