@@ -103,8 +103,8 @@ class VerifierEngine:
 
     def _hold_or_release(self, seq_id: str, rows: torch.Tensor, hold: set[str]) -> torch.Tensor | None:
         """A verdict's rows: kept back while the gateway says hold, else sent after any kept before."""
-        if seq_id in hold:
-            self.hidden_held.setdefault(seq_id, []).append(rows)
+        if seq_id in hold:   # a copy: the view would keep the step's whole read-back alive
+            self.hidden_held.setdefault(seq_id, []).append(rows.clone())
             return None
         held = self.hidden_held.pop(seq_id, None)
         return rows if held is None else torch.cat([*held, rows])
