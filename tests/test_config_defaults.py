@@ -22,7 +22,7 @@ def verifier(argv: list[str], device: str) -> EngineServiceConfig:
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_on_by_default_on_cuda_only(device):
+def test_fp8_on_by_default_on_cuda_only_fold_off(device):
     cfg = verifier([], device)
     assert (cfg.fold_prefill, cfg.hidden_states_fp8) == (False, device == "cuda")
 
