@@ -147,7 +147,7 @@ class Scheduler:
                                             draft=tree_to_proto(r.draft or DraftTree())) for r in continuing],
             close=self.close_verifier,
             stop_hidden_states=self.stop_hidden,
-            hold_hidden_states=sorted(self.auto.holding) if self.auto is not None else [],
+            hold_hidden_states=self._held_ids(),
         )
         self.close_verifier, self.stop_hidden = [], []
         overlap = [r for r in continuing if r.mode == Mode.CHAIN and r.settings.overlap and r.draft]
@@ -181,6 +181,14 @@ class Scheduler:
                     r.mode, r.choice, released = Mode.OFF, "off", True
         return released
 
+    def _held_ids(self) -> list[str]:
+        """Seq ids whose hidden states the verifier keeps this step: the ones auto runs off, and
+        prompts admitted while it does, until their prefill's verdict."""
+        if self.auto is None:
+            return []
+        opening = {r.seq_id for r in self.active.values() if r.opening and r.rows_held}
+        return sorted(self.auto.holding | opening)
+
     def _admit(self) -> list[ActiveRequest]:
         opens = []
         while self.pending and len(self.active) < self.max_sequences:
@@ -193,6 +201,7 @@ class Scheduler:
             r.opening = True
             if r.auto and self.auto is not None:
                 self.auto.admit(r)
+                r.rows_held = r.speculates and not r.scout and self.auto.holds_admissions()
             self.active[r.seq_id] = r
             opens.append(r)
         return opens

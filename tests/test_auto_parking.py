@@ -135,8 +135,8 @@ def test_a_drafter_that_pays_is_never_settled_off():
 def test_plans_of_off_hold_the_hidden_states_on_the_verifier():
     """Before auto settles, a plan of off for the group keeps its requests' hidden states on the
     verifier (AutoController.holding), so those steps cost what mode off's do and price off
-    truly; a plan that drafts holds none. A scout is never held (its probe drafts at once), nor is
-    anything without hidden states."""
+    truly, and so are the prompts of requests admitted meanwhile; a plan that drafts holds none. A
+    scout is never held (its probe drafts at once), nor is anything without hidden states."""
     for hidden in (True, False):
         auto = controller(hidden_states=hidden)
         reqs = [request(i) for i in range(3)]
@@ -151,11 +151,15 @@ def test_plans_of_off_hold_the_hidden_states_on_the_verifier():
             kind = "off" if plan.choice.mode == Mode.OFF else "drafts"
             seen.add(kind)
             assert auto.holding == ({"s0", "s1"} if hidden and kind == "off" else set()), kind
+            admits_held = auto.holds_admissions()   # a prompt admitted now: its rows held too
+            assert not admits_held or (hidden and kind == "off")
+            if admits_held:
+                seen.add("admissions held")
             for r in reqs:
                 r.draft_family = draft_family(r.settings, r.mode)
                 auto.observe_verdict(r, r.settings.k if r.mode == Mode.CHAIN else 0, 0)
             auto.observe_step(step_seconds(reqs))
-        assert seen == {"off", "drafts"}
+        assert seen == ({"off", "drafts", "admissions held"} if hidden else {"off", "drafts"})
 
 
 def test_a_held_request_fetches_its_hidden_states_before_it_drafts():
@@ -175,3 +179,20 @@ def test_a_held_request_fetches_its_hidden_states_before_it_drafts():
     assert a.mode == Mode.OFF and not a.rows_held and not b.rows_held
     a.mode = Mode.CHAIN
     assert not Scheduler._hold_or_release(sched, [a, b]) and a.mode == Mode.CHAIN
+
+
+def test_a_prompt_admitted_while_auto_runs_off_is_held_until_its_verdict():
+    """The verify message holds the seq ids auto runs off and those of prompts admitted meanwhile
+    (rows_held at admission) while they are still opening."""
+    from types import SimpleNamespace
+
+    from gateway.scheduler import Scheduler
+
+    opening, open_unheld, running = request(0), request(1), request(2)
+    opening.opening = open_unheld.opening = True
+    opening.rows_held = True
+    sched = SimpleNamespace(auto=SimpleNamespace(holding={"s2"}),
+                            active={r.seq_id: r for r in (opening, open_unheld, running)})
+    assert Scheduler._held_ids(sched) == ["s0", "s2"]
+    opening.opening = False   # its prefill's verdict came: from now on auto's plan decides
+    assert Scheduler._held_ids(sched) == ["s2"]

@@ -163,6 +163,25 @@ def test_held_hidden_states_come_with_the_next_verdict_in_order(checkpoints, fp8
     assert not holding.hidden_held
 
 
+def test_a_prompts_held_rows_come_with_its_first_unheld_verdict(checkpoints):
+    """A prompt admitted while auto runs off: its prefill's rows are held too, whole prompts and in
+    chunks, and come before its first unheld verify verdict's."""
+    for chunk in (0, 2):
+        holding, control = (engine(checkpoints["llama-gqa"], graphed=False) for _ in range(2))
+        holding.prefills.chunk = control.prefills.chunk = chunk
+        opened = [OpenSequence("a", [5, 6, 7, 8, 9], want_hidden=True)]
+        want, got = [], []
+        for e, out, hold in ((holding, got, ["a"]), (control, want, [])):
+            res = e.step(VerifierStep(0, open=opened, hold_hidden=hold))
+            while not res.verdicts:   # chunked: the prompt's verdict comes with its last chunk
+                res = e.step(VerifierStep(1, hold_hidden=hold))
+            out += [v.hidden for v in res.verdicts if v.hidden is not None]
+            n = res.verdicts[0].committed_len
+            res = e.step(VerifierStep(2, verify=[VerifyItem("a", n, DraftTree.chain([9, 9]))]))
+            out += [v.hidden for v in res.verdicts]
+        assert len(got) == 1 and torch.equal(got[0], torch.cat(want)), chunk
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_payload_round_trip(dtype):
     t = torch.randn(3, 10).to(dtype)

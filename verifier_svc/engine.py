@@ -81,8 +81,9 @@ class VerifierEngine:
                 opened.append((state, o.share_prefill_with))
         self.prefills.add(opened)
         chunks = self.prefills.take() if self.prefills else []
+        hold = set(req.hold_hidden)
         if chunks and not self._foldable(chunks, req.verify):
-            result.verdicts += self._prefill(chunks)
+            result.verdicts += self._prefill(chunks, hold)
             chunks = []
         items: list[tuple[SequenceState, VerifyItem]] = []
         for item in req.verify:
@@ -92,9 +93,9 @@ class VerifierEngine:
             else:
                 items.append((checked, item))
         if items:
-            result.verdicts += self._verify(items, chunks, set(req.hold_hidden))
+            result.verdicts += self._verify(items, chunks, hold)
         elif chunks:   # every verify item was refused: nothing to ride on
-            result.verdicts += self._prefill(chunks)
+            result.verdicts += self._prefill(chunks, hold)
         return result
 
     def _drop_held(self, seq_ids: list[str]) -> None:
@@ -143,9 +144,9 @@ class VerifierEngine:
                                  f"sequence reached the context limit {self.max_context}")
         return state
 
-    def _prefill(self, chunks: list[Chunk]) -> list[Verdict]:
+    def _prefill(self, chunks: list[Chunk], hold: set[str] = frozenset()) -> list[Verdict]:
         """This step's prompt chunks in a forward of their own; -> the first token of each prompt
-        completed (and of the sequences sharing it, which get a copy of its KV)."""
+        completed (and of the sequences sharing it, which get a copy of its KV). hold: as _verify's."""
         leaders = [c.entry.state for c in chunks]
         tokens, lengths, starts, slots = upload_feeds([s.tokens[c.start:c.end] for s, c in zip(leaders, chunks)],
                                                       [c.start for c in chunks], [s.slot for s in leaders], self.device)
@@ -159,11 +160,13 @@ class VerifierEngine:
             causal_region(lengths, n), kv_len=min(max(c.start for c in chunks) + n, self.kv_capacity),
         )
         logits, aux = self._forward(batch, logit_index=(lengths - 1)[:, None])  # [L, 1, V], [L, n, A] or None
-        return self._answer(chunks, logits[:, 0], None if aux is None else list(aux))
+        return self._answer(chunks, logits[:, 0], None if aux is None else list(aux), hold)
 
-    def _answer(self, chunks: list[Chunk], last_logits: torch.Tensor, aux: list[torch.Tensor] | None) -> list[Verdict]:
+    def _answer(self, chunks: list[Chunk], last_logits: torch.Tensor, aux: list[torch.Tensor] | None,
+                hold: set[str] = frozenset()) -> list[Verdict]:
         """The chunks ran (last_logits [L, V]: after each chunk's last token; aux: each chunk's
-        hidden-state rows, at least as many as its tokens): completed prompts are answered."""
+        hidden-state rows, at least as many as its tokens): completed prompts are answered (their
+        rows kept back for the seq ids in hold)."""
         self.prefill_tokens_computed += sum(c.end - c.start for c in chunks)
         self.prefills.advance(chunks)
         wants = lambda e: any(s.seq_id in self.hidden_wanted for s in (e.state, *e.followers))  # noqa: E731
@@ -187,7 +190,8 @@ class VerifierEngine:
         for (s, _, h), tok in zip(answered, first):
             wanted = aux is not None and s.seq_id in self.hidden_wanted
             s.tokens.append(tok)
-            out.append(Verdict(s.seq_id, len(s.tokens), [tok], 0, torch.cat(h) if wanted else None))
+            out.append(Verdict(s.seq_id, len(s.tokens), [tok], 0,
+                               self._hold_or_release(s.seq_id, torch.cat(h), hold) if wanted else None))
         return out
 
     def _wire(self, rows: torch.Tensor) -> torch.Tensor:
@@ -231,7 +235,7 @@ class VerifierEngine:
         if prompt_rows is not None:
             b = len(states)
             answered = self._answer(chunks, *self._prompt_outputs(logits[b:], None if aux is None else aux[b:],
-                                                                  *prompt_rows[1:]))
+                                                                  *prompt_rows[1:]), hold)
             logits, aux = logits[:b], None if aux is None else aux[:b]
         params = [s.sampling for s in states]
         if all(p.greedy for p in params):

@@ -98,6 +98,13 @@ class AutoController:
         else:
             r.parked, r.choice, r.mode = True, "off", Mode.OFF
 
+    def holds_admissions(self) -> bool:
+        """Whether a request admitted now has its prompt's hidden states held on the verifier: auto
+        runs its requests off (every group's last plan) but has not settled, so the request will
+        most likely run off too; the rows (a whole prompt's) travel only if it drafts."""
+        return (self.hidden_states and not self.settled_off() and bool(self.plans)
+                and all(c.plan.choice == OFF for c in self.plans.values()))
+
     def _auto_policies(self) -> list[AutoPolicy]:
         return [p for p in self.policies.values() if isinstance(p, AutoPolicy)]
 
