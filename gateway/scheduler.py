@@ -128,7 +128,7 @@ class Scheduler:
             self.auto.plan(continuing, prefilling)
             for r in self.auto.take_parked():
                 self._park(r)
-            released = self._hold_or_release(continuing)
+            released = self.auto.hidden_states and self._hold_or_release(continuing)
         started = time.perf_counter()
         self.tally.queue.set(len(self.pending))
         self.tally.active.set(len(self.active))
@@ -184,7 +184,7 @@ class Scheduler:
     def _held_ids(self) -> list[str]:
         """Seq ids whose hidden states the verifier keeps this step: the ones auto runs off, and
         prompts admitted while it does, until their prefill's verdict."""
-        if self.auto is None:
+        if self.auto is None or not self.auto.hidden_states:   # (no EAGLE-3 drafter: nothing to hold)
             return []
         opening = {r.seq_id for r in self.active.values() if r.opening and r.rows_held}
         return sorted(self.auto.holding | opening)

@@ -191,7 +191,7 @@ def test_a_prompt_admitted_while_auto_runs_off_is_held_until_its_verdict():
     opening, open_unheld, running = request(0), request(1), request(2)
     opening.opening = open_unheld.opening = True
     opening.rows_held = True
-    sched = SimpleNamespace(auto=SimpleNamespace(holding={"s2"}),
+    sched = SimpleNamespace(auto=SimpleNamespace(holding={"s2"}, hidden_states=True),
                             active={r.seq_id: r for r in (opening, open_unheld, running)})
     assert Scheduler._held_ids(sched) == ["s0", "s2"]
     opening.opening = False   # its prefill's verdict came: from now on auto's plan decides
