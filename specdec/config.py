@@ -122,9 +122,9 @@ class EngineServiceConfig:
                                 "0: whole prompts at once (env SPECDEC_PREFILL_CHUNK)")
             p.add_argument("--fold-prefill", action=argparse.BooleanOptionalAction, default=env_flag("FOLD_PREFILL"),
                            help="prompt chunks ride in the step's verify forward as extra rows (one pass over the "
-                                "weights, not two; graphs are captured for twice --max-sequences rows). Off by "
-                                "default until its CUDA-graph test has passed on a GPU with the padding fix of "
-                                "2026-12-06 (env SPECDEC_FOLD_PREFILL=1)")
+                                "weights, not two; graphs are captured for twice --max-sequences rows). Default: "
+                                "on cuda, where it saves a prompt's second pass over the weights; off on cpu "
+                                "(env SPECDEC_FOLD_PREFILL=1/0)")
             p.add_argument("--aux-hidden-layers", default=env("AUX_HIDDEN_LAYERS", ""),
                            help="comma-separated target layers (0..num_layers) whose input hidden states every "
                                 "verdict carries for the tokens it commits, for an EAGLE-3 drafter; e.g. 2,16,29 "
@@ -178,7 +178,7 @@ class EngineServiceConfig:
                    parse_layers(getattr(a, "aux_hidden_layers", "")),
                    Path(a.eagle3_head) if getattr(a, "eagle3_head", None) else None, a.cost_profile, a.metrics_listen, a.drain_seconds,
                    server_tls_from_args(a), getattr(a, "prefill_chunk", 0), a.cpu_threads,
-                   getattr(a, "hedge_predrafts", False), bool(getattr(a, "fold_prefill", False)),
+                   getattr(a, "hedge_predrafts", False), on_cuda_unless_set(a, "fold_prefill"),
                    on_cuda_unless_set(a, "hidden_states_fp8"))
 
 

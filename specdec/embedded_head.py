@@ -1,10 +1,11 @@
 """The embedded default drafter: an EAGLE-3 head for the embedded SmolLM2-135M-Instruct target.
 
-Trained by `specdec train-drafter` (TRAIN_COMMAND, fixed seed; about 9 minutes on one H200: 4 to
-answer the prompt set and write self-instruct questions, 5 to train) and shipped inside the package
-in the published layout (config.json, bf16 model.safetensors, training_report.json), so a fresh
-machine needs no training. Its weights are checked against HEAD_SHA256 before use: a corrupted
-or hand-edited file is refused rather than silently drafting worse.
+Trained by `specdec train-drafter` (TRAIN_COMMAND, fixed seed; about 10 minutes on one H200: 4.5 to
+answer the prompt set and write self-instruct questions, 5.5 to train). The shipped file was made in
+those two stages (`--save-data`, then `--data`), which start training from the same weights. It ships
+inside the package in the published layout (config.json, bf16 model.safetensors, training_report.json),
+so a fresh machine needs no training. Its weights are checked against HEAD_SHA256 before use: a
+corrupted or hand-edited file is refused rather than silently drafting worse.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from functools import cache
 from pathlib import Path
 
 HEAD_DIR = Path(__file__).parent / "assets" / "smollm2-135m-eagle3"
-HEAD_SHA256 = "411c9dd6ac870d721d31c389cc99c9b860e9915d6525bb4feafeb64a3fabad12"
-TRAIN_COMMAND = ("specdec train-drafter --device cuda --seed 0 --gen-batch 512 --max-new-tokens 384 "
-                 "--self-instruct 2000 --self-instruct-temperature 0 --epochs 24 --out specdec/assets/smollm2-135m-eagle3")
+HEAD_SHA256 = "6416e3638baea1e2baa20258248aaaa9cd02b5fc28ceeb38ce4327780aea0251"
+TRAIN_COMMAND = ("specdec train-drafter --device cuda --seed 0 --gen-batch 2048 --max-new-tokens 384 "
+                 "--self-instruct 8000 --self-instruct-temperature 0.8 --epochs 20 --out specdec/assets/smollm2-135m-eagle3")
 
 
 @cache

@@ -1,7 +1,6 @@
-"""Verifier options whose default depends on the device: --hidden-states-fp8 is on where the
-verifier runs on cuda (measured there, BENCHMARKS.md) and off on cpu; --fold-prefill is off until
-its CUDA-graph test passes on a GPU with the padding fix. A flag or its SPECDEC_* variable, either
-way, wins over the default."""
+"""Verifier options whose default depends on the device: --hidden-states-fp8 and --fold-prefill
+are on where the verifier runs on cuda (measured there, BENCHMARKS.md) and off on cpu. A flag or
+its SPECDEC_* variable, either way, wins over the default."""
 
 from __future__ import annotations
 
@@ -22,19 +21,25 @@ def verifier(argv: list[str], device: str) -> EngineServiceConfig:
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_fp8_on_by_default_on_cuda_only_fold_off(device):
+def test_fp8_and_fold_on_by_default_on_cuda_only(device):
     cfg = verifier([], device)
-    assert (cfg.fold_prefill, cfg.hidden_states_fp8) == (False, device == "cuda")
+    assert (cfg.fold_prefill, cfg.hidden_states_fp8) == (device == "cuda", device == "cuda")
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_flags_and_variables_win(device, monkeypatch):
     cfg = verifier(["--fold-prefill", "--no-hidden-states-fp8"], device)
     assert (cfg.fold_prefill, cfg.hidden_states_fp8) == (True, False)
+    cfg = verifier(["--no-fold-prefill", "--hidden-states-fp8"], device)
+    assert (cfg.fold_prefill, cfg.hidden_states_fp8) == (False, True)
     monkeypatch.setenv("SPECDEC_FOLD_PREFILL", "0")
     monkeypatch.setenv("SPECDEC_HIDDEN_STATES_FP8", "1")
     cfg = verifier([], device)
     assert (cfg.fold_prefill, cfg.hidden_states_fp8) == (False, True)
+    monkeypatch.setenv("SPECDEC_FOLD_PREFILL", "1")
+    monkeypatch.setenv("SPECDEC_HIDDEN_STATES_FP8", "0")
+    cfg = verifier([], device)
+    assert (cfg.fold_prefill, cfg.hidden_states_fp8) == (True, False)
 
 
 def test_a_drafter_has_neither():

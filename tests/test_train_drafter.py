@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_eagle3_head import write_head
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -239,12 +240,16 @@ def test_cli_trains_and_saves_a_loadable_head(checkpoints, tmp_path):
     assert head.spec.aux_layers == (1, 2, 3) and int(head.t2d.sum()) == 64
     report = json.loads((out / "training_report.json").read_text())["report"]
     assert len(report["heldout_acceptance"]) == 3 and report["heldout_sequences"] == 4
-    # the saved sequences train again without generating (--data)
-    again = subprocess.run(cmd[:cmd.index("--prompts")] + ["--data", str(tmp_path / "data.pt"), "--epochs", "1",
-                                                           "--draft-vocab", "64", "--aux-layers", "1,2,3"],
+    # the saved sequences train again without generating (--data), to the same head: the two-stage
+    # recipe the shipped head was made by is the one command
+    again = subprocess.run(cmd[:cmd.index("--out")] + ["--out", str(tmp_path / "again"), "--data",
+                                                       str(tmp_path / "data.pt"), "--epochs", "2", "--draft-vocab",
+                                                       "64", "--aux-layers", "1,2,3", "--eval-k", "3"],
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "answering prompts" not in again.stderr
+    first, second = (load_file(str(d / "model.safetensors")) for d in (out, tmp_path / "again"))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
 
 def test_eval_head_script_reports_both_figures(checkpoints, tmp_path):

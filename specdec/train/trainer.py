@@ -88,6 +88,7 @@ def train_drafter(cfg: TrainDrafterConfig) -> TrainReport:
     train, heldout = _sequences(cfg, target, tokenizer)
     tspec = ModelSpec.from_pretrained(cfg.target)
     vocab = select_draft_vocab(train, tspec.vocab_size, cfg.draft_vocab, [tokenizer.eos_token_id])
+    torch.manual_seed(cfg.seed)   # sampling the answers drew from the generator: a --data run must start the same
     head = _new_head(cfg, tspec, vocab, target).to(device)
     print(f"{len(train)} training sequences ({sum(len(s.ids) for s in train)} tokens), {len(heldout)} held out; "
           f"draft vocabulary {len(vocab.target_ids)} covers {vocab.coverage:.1%} of answer tokens", flush=True)
