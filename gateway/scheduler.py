@@ -191,6 +191,7 @@ class Scheduler:
 
     def _admit(self) -> list[ActiveRequest]:
         opens = []
+        batch = min(self.max_sequences, len(self.active) + len(self.pending))   # after this step's admissions
         while self.pending and len(self.active) < self.max_sequences:
             r = self.pending.popleft()
             if r.cancelled:
@@ -201,7 +202,7 @@ class Scheduler:
             r.opening = True
             if r.auto and self.auto is not None:
                 self.auto.admit(r)
-                r.rows_held = r.speculates and not r.scout and self.auto.holds_admissions()
+                r.rows_held = r.speculates and not r.scout and self.auto.holds_admissions(batch)
             self.active[r.seq_id] = r
             opens.append(r)
         return opens

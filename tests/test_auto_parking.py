@@ -151,7 +151,7 @@ def test_plans_of_off_hold_the_hidden_states_on_the_verifier():
             kind = "off" if plan.choice.mode == Mode.OFF else "drafts"
             seen.add(kind)
             assert auto.holding == ({"s0", "s1"} if hidden and kind == "off" else set()), kind
-            admits_held = auto.holds_admissions()   # a prompt admitted now: its rows held too
+            admits_held = auto.holds_admissions(len(reqs))   # a prompt admitted now: its rows held too
             assert not admits_held or (hidden and kind == "off")
             if admits_held:
                 seen.add("admissions held")
@@ -196,3 +196,37 @@ def test_a_prompt_admitted_while_auto_runs_off_is_held_until_its_verdict():
     assert Scheduler._held_ids(sched) == ["s0", "s2"]
     opening.opening = False   # its prefill's verdict came: from now on auto's plan decides
     assert Scheduler._held_ids(sched) == ["s2"]
+
+
+def test_prompts_arriving_at_a_load_where_auto_chose_off_are_held_while_it_drafts_at_another():
+    """Load comes in waves: auto runs off at batch 32 (verifying wide rows costs more than half-right
+    drafts earn there) and drafts at batch 1. A prompt admitted into a batch of 32 while the last
+    plan (at batch 1) drafts has its rows held all the same; one admitted into a batch of 1 does
+    not; a batch size never planned for follows the last plans."""
+    verify = [StepCost(f"verify:{w}", b, 0.01 + 0.0005 * w * b) for w in VERIFY_WIDTHS for b in BATCHES]
+    draft = [StepCost(s, b, 0.002) for b in BATCHES for s in
+             [*(chain_shape(k) for k in AUTO_CHAIN_KS), *(predraft_shape(k) for k in AUTO_CHAIN_KS),
+              *(tree_shape(*t) for t in AUTO_TREES)]]
+    auto = AutoController(verify, lambda: (draft, []), 64, hidden_states=True, replan_every=1)
+    rng = np.random.default_rng(0)
+
+    def serve(reqs: list[ActiveRequest], steps: int) -> str:
+        for _ in range(steps):
+            auto.plan(reqs)
+            width = 1
+            for r in reqs:
+                depth = r.settings.k if r.mode == Mode.CHAIN else r.settings.depth if r.mode == Mode.TREE else 0
+                r.draft_family = draft_family(r.settings, r.mode)
+                accepted = next((i for i in range(depth) if rng.random() >= 0.5), depth)   # a = 0.5
+                auto.observe_verdict(r, depth, accepted)
+                width = max(width, r.settings.k + 1 if r.mode == Mode.CHAIN else
+                            r.settings.budget + 1 if r.mode == Mode.TREE else 1)
+            auto.observe_step(0.01 + 0.0005 * width * len(reqs) + 0.002 * (width > 1))
+        (_, plan, _), = auto.step_plans
+        return plan.choice.name
+
+    assert serve([request(i) for i in range(32)], 40) == "off" and not auto.settled_off()
+    assert serve([request(100)], 40) != "off" and not auto.settled_off()
+    assert auto.holds_admissions(32) and auto.holds_admissions(20)   # (the same bucket)
+    assert not auto.holds_admissions(1)
+    assert not auto.holds_admissions(64) and not auto.holds_admissions(4)   # never planned: the last plan drafts

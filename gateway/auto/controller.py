@@ -56,6 +56,7 @@ class AutoController:
         self.steps_seen = 0
         self.catching_up = False   # this step's drafter also takes in tokens committed while a request did not draft
         self.holding: set[str] = set()   # this step: seq ids whose hidden states the verifier keeps (see plan)
+        self.choice_at: dict[int, Choice] = {}   # batch bucket -> the last plan's choice there
 
     def _policy(self, overlap_allowed: bool) -> AutoPolicy | CyclingPolicy | None:
         if self.costs is None:
@@ -98,12 +99,20 @@ class AutoController:
         else:
             r.parked, r.choice, r.mode = True, "off", Mode.OFF
 
-    def holds_admissions(self) -> bool:
-        """Whether a request admitted now has its prompt's hidden states held on the verifier: auto
-        runs its requests off (every group's last plan) but has not settled, so the request will
-        most likely run off too; the rows (a whole prompt's) travel only if it drafts."""
-        return (self.hidden_states and not self.settled_off() and bool(self.plans)
-                and all(c.plan.choice == OFF for c in self.plans.values()))
+    def holds_admissions(self, batch: int) -> bool:
+        """Whether a request admitted into a batch of `batch` sequences has its prompt's hidden
+        states held on the verifier (auto has not settled): it will most likely run off, so the
+        rows (a whole prompt's) travel only if it drafts. Most likely off: the last plan at that
+        batch size chose off, or, at a size not planned for yet, every group's last plan did. By
+        batch size because load comes in waves: a wave of prompts arriving after a quiet spell in
+        which speculation ran must not ship its rows (at C = 32, 8B-shaped fp8 rows: 25 MB in
+        one step) where auto already found that off wins."""
+        if not self.hidden_states or self.settled_off():
+            return False
+        known = self.choice_at.get(bucket(batch))
+        if known is not None:
+            return known == OFF
+        return bool(self.plans) and all(c.plan.choice == OFF for c in self.plans.values())
 
     def _auto_policies(self) -> list[AutoPolicy]:
         return [p for p in self.policies.values() if isinstance(p, AutoPolicy)]
@@ -171,6 +180,7 @@ class AutoController:
             plan = self._cached_plan(policy, group, overlap_allowed, others, other_width, other_tokens, prefilling)
             self.step_plans.append((policy, plan, others))
             choice, speculating = plan.choice, set(plan.speculating)
+            self.choice_at[bucket(len(group) + others)] = choice
             if self.scout is not None and any(r is self.scout for r in group):
                 if choice != OFF and self.scout.seq_id in speculating:
                     self.scout_probed = True
