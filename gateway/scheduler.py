@@ -162,7 +162,7 @@ class Scheduler:
         if self.auto is not None and continuing and not released:
             # The whole step after the plan: what the gateway does per step for a choice (draft
             # messages, tree packing, verdicts, emission) counts as much as the services' time.
-            self.auto.observe_step(time.perf_counter() - started, draft[0], prefilling)
+            self.auto.observe_step(time.perf_counter() - started, draft[0], prefilling, len(opens))
         self.tally.flush(time.perf_counter() - t0, waited, (verify_rtt, verdicts.engine_seconds), draft,
                          predraft[0])
 

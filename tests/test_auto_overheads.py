@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gateway.auto.controller import AutoController, draft_family
-from gateway.auto.costs import StepOverheads
+from gateway.auto.costs import AdmissionRate, StepOverheads
 from gateway.auto.policy import OFF, Choice, Plan
 from gateway.request import ActiveRequest, GenerationRequest, Mode, SpecSettings
 from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, VERIFY_WIDTHS, StepCost, chain_shape, tree_shape
@@ -19,22 +19,55 @@ from specdec.sampling_params import GREEDY
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
-def test_overheads_are_a_kinds_mean_excess_without_its_largest_and_borrow_offs():
+def test_overheads_are_a_kinds_excess_per_admitted_prompt_without_its_largest_and_borrow_offs():
     o = StepOverheads(window=32, min_samples=8)
     for _ in range(7):
-        o.observe(False, 32, 0.002)
-    assert o.seconds(False, 32) == 0.0                       # too few steps yet
-    o.observe(False, 32, 0.002)
-    assert o.seconds(False, 32) == pytest.approx(0.002)
-    assert o.seconds(True, 32) == pytest.approx(0.002)       # speculation borrows off's until measured
-    assert o.seconds(False, 4) == 0.0                        # another batch bucket
-    for excess in (0.0, 0.020) * 4 + (0.5,):                 # prompts in half the steps; one wave at once
-        o.observe(True, 30, excess)
-    assert o.seconds(True, 32) == pytest.approx(0.010)
-    assert o.seconds(False, 32) == pytest.approx(0.002)
-    for _ in range(513):                                     # a spell of other buckets: old figures expire
+        o.observe(False, 32, 0.002, 1)
+    assert o.per_admission(False, 32) == 0.0                 # too few steps yet
+    o.observe(False, 32, 0.002, 1)
+    assert o.per_admission(False, 32) == pytest.approx(0.002)
+    assert o.per_admission(True, 32) == pytest.approx(0.002)  # speculation borrows off's until measured
+    assert o.per_admission(False, 4) == 0.0                   # another batch bucket
+    for excess, admitted in ((0.0, 0), (0.020, 2)) * 4 + ((0.5, 32),):   # two prompts every other step; a wave
+        o.observe(True, 30, excess, admitted)
+    assert o.per_admission(True, 32) == pytest.approx(0.010)
+    assert o.per_admission(False, 32) == pytest.approx(0.002)
+    for _ in range(513):                                      # a spell of other buckets: old figures expire
         o.tick()
-    assert o.seconds(True, 32) == o.seconds(False, 32) == 0.0
+    assert o.per_admission(True, 32) == o.per_admission(False, 32) == 0.0
+
+
+def test_a_choice_admits_prompts_as_often_as_it_ends_requests():
+    """Off at C = 32 with 64-token answers: a prompt every other step; a choice committing three
+    tokens a request a step ends requests, and so admits prompts, three times as often. The rate
+    follows the last `window` steps."""
+    rate = AdmissionRate(window=8)
+    assert rate.admissions(3.0) == 0.0
+    for admitted in (1, 0) * 4:
+        rate.observe(admitted, 32, 32)
+    assert rate.admissions(1.0) == pytest.approx(0.5) and rate.admissions(3.0) == pytest.approx(1.5)
+    for admitted in (2, 1) * 4:   # speculation now stands: 3 tokens a request, 1.5 prompts a step
+        rate.observe(admitted, 96, 32)
+    assert rate.admissions(1.0) == pytest.approx(0.5) and rate.admissions(3.0) == pytest.approx(1.5)
+
+
+def test_a_choices_overhead_is_its_admissions_times_its_kinds_cost_per_prompt():
+    """Off's cost per prompt, measured while off stood, prices a chain committing four tokens a
+    request at four times off's admissions: the figure follows the choice, not the spell in which
+    it was measured (off measured right after a wave began, at many prompts a step, priced off at
+    0.69x of what it ran on the H100, and speculation at 0.73x of off ran instead)."""
+    auto = controller()
+    reqs = [new_request(i) for i in range(32)]
+    auto.plan(reqs)
+    policy = auto.policies[True]
+    policy.current = OFF
+    off = Plan(OFF, [], 1000.0, batch=32, seconds=0.0085)
+    for _ in range(16):   # a burst: 8 prompts in every step, 2 ms each
+        policy.observe_overhead(off, 0.0085 + 0.016, admitted=8)
+    for admitted in (1, 0) * 32:   # then the steady state: a prompt every other step
+        policy.admissions.observe(admitted, 32, 32)
+    assert policy._overhead(False, 32, 32.0) == pytest.approx(0.5 * 0.002)
+    assert policy._overhead(True, 32, 128.0) == pytest.approx(4 * 0.5 * 0.002)   # borrowed cost, 4x the prompts
 
 
 def test_off_steps_taken_while_speculation_stands_do_not_price_off():
@@ -48,12 +81,12 @@ def test_off_steps_taken_while_speculation_stands_do_not_price_off():
     slow_off = Plan(OFF, [], 1000.0, batch=32, seconds=0.0085)
     policy.current = Choice(Mode.CHAIN, 4)
     for _ in range(16):
-        policy.observe_overhead(slow_off, 0.0085 + 0.0075)
-    assert policy.overheads.seconds(False, 32) == 0.0
+        policy.observe_overhead(slow_off, 0.0085 + 0.0075, admitted=1)
+    assert policy.overheads.per_admission(False, 32) == 0.0
     policy.current = OFF   # off standing: its steps, prompts and all, are off's
     for _ in range(16):
-        policy.observe_overhead(slow_off, 0.0085 + 0.0075)
-    assert policy.overheads.seconds(False, 32) == pytest.approx(0.0075)
+        policy.observe_overhead(slow_off, 0.0085 + 0.0075, admitted=1)
+    assert policy.overheads.per_admission(False, 32) == pytest.approx(0.0075)
 
 
 # The true costs of the simulated server (seconds): clean steps, and what a step that admits costs more.
@@ -107,7 +140,7 @@ def closed_loop(auto: AutoController, steps: int, fixed: Mode | None = None, k: 
         clean = (TREE_STEP if Mode.TREE in modes else
                  OFF_STEP + CHAIN_TOKEN_DRAFT * max((r.settings.k for r in reqs if r.mode == Mode.CHAIN), default=0))
         took = clean + (EXTRA_SPECULATING if speculating else EXTRA_OFF) * (opened_now > 0)
-        auto.observe_step(took, prefilling=admitted > 0)
+        auto.observe_step(took, prefilling=admitted > 0, admitted=opened_now)
         opened = 0
         for i, r in enumerate(reqs):
             if left[r.seq_id] <= 0:   # its client sends the next one at once

@@ -57,6 +57,7 @@ class AutoController:
         self.catching_up = False   # this step's drafter also takes in tokens committed while a request did not draft
         self.holding: set[str] = set()   # this step: seq ids whose hidden states the verifier keeps (see plan)
         self.choice_at: dict[int, Choice] = {}   # batch bucket -> the last plan's choice there
+        self.step_tokens = self.step_requests = 0   # this step's verdicts: tokens committed, requests
 
     def _policy(self, overlap_allowed: bool) -> AutoPolicy | CyclingPolicy | None:
         if self.costs is None:
@@ -143,6 +144,7 @@ class AutoController:
         self.step_plans = []
         self.catching_up = False
         self.holding = set()
+        self.step_tokens = self.step_requests = 0
         self._flush_verdicts()
         settled = self.hidden_states and self.settled_off()
         if settled:
@@ -279,27 +281,33 @@ class AutoController:
             accepts.append(accepted)
         if r.auto:
             r.stats.steps_by_mode[r.choice or "off"] += 1
+        self.step_tokens += accepted + 1
+        self.step_requests += 1
 
     def _flush_verdicts(self) -> None:
         for family, (ids, depths, accepts) in self.pending.items():
             self.book.observe_many(ids, family, np.array(depths), np.array(accepts))
         self.pending.clear()
 
-    def observe_step(self, seconds: float, draft_seconds: float = 0.0, prefilling: bool = False) -> None:
+    def observe_step(self, seconds: float, draft_seconds: float = 0.0, prefilling: bool = False,
+                     admitted: int = 0) -> None:
         """The step's wall time after its plan (drafts, verify, pre-drafts, the verdicts applied),
         when one plan ran for every sequence of it; draft_seconds: the round trip of its drafts
-        before the verify; prefilling: it also prefilled prompts. Every such step tells the policy
-        what its kind's steps really take (AutoPolicy.observe_overhead); a clean one (no prefill)
+        before the verify; prefilling: it also prefilled prompts, `admitted` of them new this step.
+        Every step counts its admissions and tokens (AdmissionRate); every such step tells the policy
+        what its kind's steps really take per admission (AutoPolicy.observe_overhead); a clean one (no prefill)
         also calibrates the choice's step time. The first few steps of the gateway's life are not
         used: they also pay for opening streams and first allocations. Where a drafter caught up
         (see `plan`), the calibration counts the step's drafts as the profile prices them, so the
         rest of the step (the verify, the hops) is still measured; the overhead keeps them whole
         unless the step was a probe (a prompt's catch-up comes with every request that drafts)."""
         self.steps_seen += 1
+        for policy in self._auto_policies():
+            policy.admissions.observe(admitted, self.step_tokens, self.step_requests)
         if len(self.step_plans) == 1 and self.steps_seen > WARMUP_STEPS:
             policy, plan, others = self.step_plans[0]
             if not others and isinstance(policy, AutoPolicy):
-                policy.observe_overhead(plan, seconds)
+                policy.observe_overhead(plan, seconds, admitted)
                 if prefilling:
                     return
                 if self.catching_up:

@@ -157,21 +157,23 @@ class CostModel:
 
 
 class StepOverheads:
-    """What the steps of a kind (off, speculating) really take over their calibrated clean time, on
-    average over every step run at a batch bucket, the ones that admit prompts included.
+    """What the steps of a kind (off, speculating) take over their calibrated clean time, per prompt
+    they admit, at a batch bucket; a choice's overhead is that times the prompts it will admit a
+    step.
 
     StepCalibration learns from clean steps only (a prefill would blur a choice's cost). Under a
-    stream of arrivals most steps are not clean, and how many are depends on the kind: on the H200
-    closed loop at a = 0.8, C = 32, chain k=4's clean steps took ~28 ms and its steps ~37 ms on
-    average (a request ending every ~19 steps brings a prompt, which the verifier prefills eagerly
-    and the drafter then catches up on), while mode off's lockstep clients admitted their prompts
-    together, one step in 64. Auto ran chain at 0.86x of off. A model of how often prompts arrive
-    got that wrong (it assumed arrivals spread over the steps), so this measures it instead: the
-    mean of the last `window` steps' excess (clean steps count about zero), the largest left out
-    (a wave of prompts all at once is one step, not the rule), over the steps of choices whose
-    clean time is measured (exploring steps would count the calibration's errors). A kind not yet
-    measured at a bucket borrows off's figure there: speculation is then tried, and its own figure
-    replaces it."""
+    stream of arrivals many steps are not clean, and how many depends on the choice: a request
+    that commits more tokens a step ends sooner, and its client's next prompt comes sooner. On the
+    H200 closed loop at a = 0.8, C = 32, chain k=4's clean steps took ~28 ms and its steps ~37 ms on
+    average, while mode off's lockstep clients admitted their prompts together, one step in 64. So
+    this measures the excess per admitted prompt (the verifier's prefill, a drafter's catch-up) from
+    the last `window` steps of the kind that measured choices ran, the one of largest excess left
+    out (a wave of prompts at once is one step, not the rule), and the policy multiplies it by the
+    admissions a step it expects of the choice (AdmissionRate). Earlier this was the mean excess a
+    step: a figure measured in one spell kept its kind's price while the kind did not run (on the
+    H100 at C = 32, off priced at 1,854 tok/s from a spell right after a wave began, where off ran
+    2,693, and auto speculated at 0.83x of off). A kind not yet measured at a bucket borrows off's
+    figure there: speculation is then tried, and its own figure replaces it."""
 
     def __init__(self, window: int = 32, min_samples: int = 8, max_age: int = 512) -> None:
         """max_age: steps (all kinds) after which a sample no longer counts: once auto has turned
@@ -179,7 +181,7 @@ class StepOverheads:
         borrowed from off's again, tried, and measured afresh."""
         self.window, self.min_samples, self.max_age = window, min_samples, max_age
         self.steps = 0
-        self.samples: dict[tuple[bool, int], deque] = {}   # (speculating, bucket) -> (step, excess seconds)
+        self.samples: dict[tuple[bool, int], deque] = {}   # (speculating, bucket) -> (step, excess s, admitted)
         self.cached: dict[tuple[bool, int], float] = {}    # figures since the last step (a plan asks per choice)
 
     def tick(self) -> None:
@@ -187,19 +189,45 @@ class StepOverheads:
         self.steps += 1
         self.cached.clear()
 
-    def observe(self, speculating: bool, batch: int, excess: float) -> None:
-        self.samples.setdefault((speculating, bucket(batch)), deque(maxlen=self.window)).append((self.steps, excess))
+    def observe(self, speculating: bool, batch: int, excess: float, admitted: int) -> None:
+        key = (speculating, bucket(batch))
+        self.samples.setdefault(key, deque(maxlen=self.window)).append((self.steps, excess, admitted))
         self.cached.clear()
 
-    def seconds(self, speculating: bool, batch: int) -> float:
+    def per_admission(self, speculating: bool, batch: int) -> float:
+        """Seconds a step of this kind takes over its clean time per prompt it admits."""
         key = (speculating, bucket(batch))
         if key not in self.cached:
-            self.cached[key] = self._seconds(*key)
+            self.cached[key] = self._per_admission(*key)
         return self.cached[key]
 
-    def _seconds(self, speculating: bool, b: int) -> float:
+    def _per_admission(self, speculating: bool, b: int) -> float:
         for key in ((speculating, b), (False, b)):
-            recent = [x for step, x in self.samples.get(key, ()) if self.steps - step <= self.max_age]
+            recent = [(x, n) for step, x, n in self.samples.get(key, ()) if self.steps - step <= self.max_age]
             if len(recent) >= self.min_samples:
-                return max(0.0, (sum(recent) - max(recent)) / (len(recent) - 1))
+                recent.remove(max(recent))
+                admitted = sum(n for _, n in recent)
+                return max(0.0, sum(x for x, _ in recent)) / admitted if admitted else 0.0
         return 0.0
+
+
+class AdmissionRate:
+    """Prompts admitted a step, and tokens committed per request a step, over the last `window`
+    steps: a choice committing E tokens per request a step ends requests, and so admits the
+    clients' next prompts, E / E_now times as often as the steps measured (a closed loop or a
+    queue: every request that ends makes room for the next)."""
+
+    def __init__(self, window: int = 64) -> None:
+        self.steps: deque = deque(maxlen=window)   # (admitted, tokens committed, requests that committed)
+
+    def observe(self, admitted: int, tokens: int, requests: int) -> None:
+        self.steps.append((admitted, tokens, requests))
+
+    def admissions(self, tokens_per_request: float) -> float:
+        """Expected prompts admitted a step for a choice committing this many tokens per request a step."""
+        if not self.steps:
+            return 0.0
+        admitted = sum(a for a, _, _ in self.steps) / len(self.steps)
+        requests = sum(r for _, _, r in self.steps)
+        now = sum(t for _, t, _ in self.steps) / requests if requests else 1.0
+        return admitted * tokens_per_request / now

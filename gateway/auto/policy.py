@@ -17,7 +17,8 @@ overlap pre-draft is usable: the measured share of pre-drafts used after drafts 
 start-up profiles (gateway/auto/costs.py) times a calibration: measured / modelled step time per
 choice and batch bucket, which carries what the profiles cannot see (gRPC and Python on three hops,
 contention on a shared GPU), plus what the kind's steps (off, speculating) take over their clean
-time on average at this batch size, the steps that admit prompts included (StepOverheads). A
+time per prompt they admit (StepOverheads) times the prompts the choice admits a step: a choice
+that commits more tokens a request ends requests, and admits the next prompts, sooner (AdmissionRate). A
 request speculates only while its expected gain pays for its share of the draft step. Speculation
 must beat off by `speculation_margin`: the best of several noisy estimates is more often
 overestimated than not, and a speculative step has costs no step time shows (requests that end
@@ -42,7 +43,7 @@ from functools import cached_property
 import numpy as np
 
 from gateway.auto.acceptance import AcceptanceBook
-from gateway.auto.costs import CostModel, StepCalibration, StepOverheads
+from gateway.auto.costs import AdmissionRate, CostModel, StepCalibration, StepOverheads
 from gateway.request import Mode
 from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, chain_shape, predraft_shape, tree_shape
 
@@ -116,7 +117,7 @@ class Plan:
     model_seconds: float = 0.0      # the step time the cost model predicts, before calibration
     expected_tokens: float = 0.0    # tokens the batch is expected to commit
     seconds: float = 0.0            # the calibrated time of a clean step (one that admits no prompt)
-    overhead: float = 0.0           # what its kind's steps take over that on average (StepOverheads)
+    overhead: float = 0.0           # what its steps are expected to take over that (admissions x cost each)
 
     @property
     def expected_seconds(self) -> float:
@@ -139,6 +140,7 @@ class AutoPolicy:
         self.costs, self.book, self.choices = costs, book, choices
         self.calibration = StepCalibration()
         self.overheads = StepOverheads()
+        self.admissions = AdmissionRate()
         self.min_observations, self.min_measured = min_observations, min_measured
         self.challenge_every, self.challenge_within = challenge_every, challenge_within
         self.plans_since_challenge = 0
@@ -251,18 +253,24 @@ class AutoPolicy:
         c = plan.choice
         self.calibration.observe(c.kind, c.name, c.width, plan.batch, seconds, plan.model_seconds)
 
-    def observe_overhead(self, plan: Plan, seconds: float) -> None:
-        """Any step that ran `plan`: its excess over the clean step it was priced at, when that price
-        rests on measurements of the choice's own (not a probe, not a borrowed figure), and for off
-        only while off is auto's standing choice. While speculation stands, the steps that run off
-        are mostly those that admit a prompt (such a step plans among measured choices only): as
-        off's samples they priced off at ~1,800 tok/s where off ran ~2,800 (stand-ins with the
-        H100's costs, C = 32), and auto speculated at 0.95x of off."""
+    def observe_overhead(self, plan: Plan, seconds: float, admitted: int = 0) -> None:
+        """Any step that ran `plan` and admitted `admitted` prompts: its excess over the clean step it
+        was priced at, when that price rests on measurements of the choice's own (not a probe, not a
+        borrowed figure), and for off only while off is auto's standing choice. While speculation
+        stands, the steps that run off are mostly those that admit a prompt (such a step plans
+        among measured choices only): as off's samples they priced off at ~1,800 tok/s where off
+        ran ~2,800 (stand-ins with the H100's costs, C = 32), and auto speculated at 0.95x of off."""
         self.overheads.tick()
         if plan.choice == OFF and self.current != OFF:
             return
         if not plan.probe and plan.seconds > 0 and self.measured(plan.choice, plan.batch):
-            self.overheads.observe(plan.choice != OFF, plan.batch, seconds - plan.seconds)
+            self.overheads.observe(plan.choice != OFF, plan.batch, seconds - plan.seconds, admitted)
+
+    def _overhead(self, speculating: bool, batch: int, tokens: float) -> float:
+        """What a step committing `tokens` over `batch` requests is expected to take over its clean
+        time: the prompts it will admit a step (AdmissionRate) times its kind's cost per prompt."""
+        return (self.admissions.admissions(tokens / max(1, batch))
+                * self.overheads.per_admission(speculating, batch))
 
     def _probe_choice(self) -> Choice | None:
         """The narrowest speculative choice (chain k=1 without overlap)."""
@@ -284,7 +292,7 @@ class AutoPolicy:
             seconds = self.costs.verify(batch, max(1, other_width))
             calibrated = seconds * self.calibration.ratio(OFF.kind, OFF.name, OFF.width, batch)
             tokens = len(seq_ids) + other_tokens
-            overhead = self.overheads.seconds(False, batch)
+            overhead = self._overhead(False, batch, tokens)
             return Plan(OFF, [], tokens / (calibrated + overhead), batch=batch, model_seconds=seconds,
                         expected_tokens=tokens, seconds=calibrated, overhead=overhead)
         gain = prefix[0][:, c.positions - 1]                           # [n] E - 1
@@ -299,16 +307,16 @@ class AutoPolicy:
         # Speculate the requests with the largest gains first; stop where the next one's gain no
         # longer pays for its draft (the best prefix of the sorted list).
         gained = np.cumsum(gain[order])                                # [n] gain of the first i + 1
-        overhead = self.overheads.seconds(True, batch)
-        best = (-1.0, 0, 0.0, 0.0, 0.0)                                # (tokens/s, how many, model s, tokens, step s)
+        best = (-1.0, 0, 0.0, 0.0, 0.0, 0.0)                           # (tokens/s, how many, model s, tokens, step s, overhead s)
         for n in _prefix_sizes(len(seq_ids)):
             seconds = self._seconds(c, batch, n, max(c.width, other_width), full[order[:n]] if c.overlap else None)
             tokens = len(seq_ids) + float(gained[n - 1]) + other_tokens
             floor = off + (0.0 if c.overlap else self.costs.draft(n, c.draft_shape))
             step = max(seconds * ratio, floor)
+            overhead = self._overhead(True, batch, tokens)
             if tokens / (step + overhead) > best[0]:
-                best = (tokens / (step + overhead), n, seconds, tokens, step)
-        tps, n, seconds, tokens, step = best
+                best = (tokens / (step + overhead), n, seconds, tokens, step, overhead)
+        tps, n, seconds, tokens, step, overhead = best
         return Plan(c, [seq_ids[i] for i in order[:n]], tps, batch=batch, model_seconds=seconds, expected_tokens=tokens,
                     seconds=step, overhead=overhead)
 
