@@ -28,9 +28,9 @@ def test_overheads_are_a_kinds_excess_per_admitted_prompt_without_its_largest_an
     assert o.per_admission(False, 32) == pytest.approx(0.002)
     assert o.per_admission(True, 32) == pytest.approx(0.002)  # speculation borrows off's until measured
     assert o.per_admission(False, 4) == 0.0                   # another batch bucket
-    for excess, admitted in ((0.0, 0), (0.020, 2)) * 4 + ((0.5, 32),):   # two prompts every other step; a wave
+    for excess, admitted in ((0.0, 0), (0.020, 4)) * 4 + ((0.5, 32),):   # four prompts every other step; a wave
         o.observe(True, 30, excess, admitted)
-    assert o.per_admission(True, 32) == pytest.approx(0.010)
+    assert o.per_admission(True, 32) == pytest.approx(0.005)
     assert o.per_admission(False, 32) == pytest.approx(0.002)
     for _ in range(513):                                      # a spell of other buckets: old figures expire
         o.tick()
