@@ -17,7 +17,8 @@ from pathlib import Path
 HEAD_DIR = Path(__file__).parent / "assets" / "smollm2-135m-eagle3"
 HEAD_SHA256 = "6416e3638baea1e2baa20258248aaaa9cd02b5fc28ceeb38ce4327780aea0251"
 TRAIN_COMMAND = ("specdec train-drafter --device cuda --seed 0 --gen-batch 2048 --max-new-tokens 384 "
-                 "--self-instruct 8000 --self-instruct-temperature 0.8 --epochs 20 --out specdec/assets/smollm2-135m-eagle3")
+                 "--self-instruct 8000 --self-instruct-temperature 0.8 --epochs 20 "
+                 "--out specdec/assets/smollm2-135m-eagle3")
 
 
 @cache

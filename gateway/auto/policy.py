@@ -307,7 +307,7 @@ class AutoPolicy:
         # Speculate the requests with the largest gains first; stop where the next one's gain no
         # longer pays for its draft (the best prefix of the sorted list).
         gained = np.cumsum(gain[order])                                # [n] gain of the first i + 1
-        best = (-1.0, 0, 0.0, 0.0, 0.0, 0.0)                           # (tokens/s, how many, model s, tokens, step s, overhead s)
+        best = (-1.0, 0, 0.0, 0.0, 0.0, 0.0)   # (tokens/s, how many, model s, tokens, step s, overhead s)
         for n in _prefix_sizes(len(seq_ids)):
             seconds = self._seconds(c, batch, n, max(c.width, other_width), full[order[:n]] if c.overlap else None)
             tokens = len(seq_ids) + float(gained[n - 1]) + other_tokens
