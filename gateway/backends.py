@@ -7,13 +7,14 @@ import asyncio
 import grpc
 
 from gateway.dialer import BackendDialer
+from specdec.errors import STEP_FAILED_KEY
 from specdec.rpc import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 
 
 class BackendLost(RuntimeError):
     """The backend's stream broke: its sequences' state is gone with it. `failed`: the backend is
-    up but its step failed (it ended the stream INTERNAL): retrying the same work elsewhere would
-    fail the same way."""
+    up but its step failed (it ended the stream marked STEP_FAILED_KEY): retrying the same work
+    elsewhere would fail the same way."""
 
     def __init__(self, message: str, failed: bool = False) -> None:
         super().__init__(message)
@@ -42,7 +43,7 @@ class StepStream:
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, ConnectionError) as exc:
             # InvalidStateError: writing to a call the server already ended
             self.call = None
-            failed = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.INTERNAL
+            failed = isinstance(exc, grpc.aio.AioRpcError) and step_failed(exc)
             raise BackendLost(f"{self.role} at {self.address}: {exc}", failed) from exc
         if resp is grpc.aio.EOF:
             self.call = None
@@ -61,3 +62,10 @@ class StepStream:
     async def close(self) -> None:
         self.reset()
         await self.channel.close()
+
+
+def step_failed(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether the service ended the stream because its step failed, not because it went away
+    (gRPC reports INTERNAL for both when a write meets a process that just died)."""
+    metadata = exc.trailing_metadata() or ()
+    return exc.code() == grpc.StatusCode.INTERNAL and any(key == STEP_FAILED_KEY for key, _ in metadata)

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from specdec.errors import STEP_FAILED_KEY
 from specdec.metrics import ENGINE_STREAMS, EngineMetrics
 from specdec.rpc import common_pb2
 
@@ -48,7 +49,8 @@ class StepStreamServicer:
                     res, seconds = await asyncio.wrap_future(in_flight[1])
                 except Exception as exc:  # a bug, not bad input: end this stream loudly
                     self.log.exception("step failed", step=req.step)
-                    await context.abort(grpc.StatusCode.INTERNAL, f"{self.info.role} step failed: {exc}")
+                    await context.abort(grpc.StatusCode.INTERNAL, f"{self.info.role} step failed: {exc}",
+                                        trailing_metadata=((STEP_FAILED_KEY, "1"),))
                 in_flight = None
                 owned |= self.held_after(req, res)
                 self.metrics.after_step(seconds)
