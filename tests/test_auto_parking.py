@@ -18,8 +18,8 @@ from specdec.sampling_params import GREEDY
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
-def controller(hidden_states: bool) -> AutoController:
-    verify = [StepCost(f"verify:{w}", b, 0.01) for w in VERIFY_WIDTHS for b in BATCHES]
+def controller(hidden_states: bool, verify_seconds=lambda width, batch: 0.01) -> AutoController:
+    verify = [StepCost(f"verify:{w}", b, verify_seconds(w, b)) for w in VERIFY_WIDTHS for b in BATCHES]
     draft = [StepCost(s, b, 0.002) for b in BATCHES for s in
              [*(chain_shape(k) for k in AUTO_CHAIN_KS), *(predraft_shape(k) for k in AUTO_CHAIN_KS),
               *(tree_shape(*t) for t in AUTO_TREES)]]
@@ -203,11 +203,7 @@ def test_prompts_arriving_at_a_load_where_auto_chose_off_are_held_while_it_draft
     drafts earn there) and drafts at batch 1. A prompt admitted into a batch of 32 while the last
     plan (at batch 1) drafts has its rows held all the same; one admitted into a batch of 1 does
     not; a batch size never planned for follows the last plans."""
-    verify = [StepCost(f"verify:{w}", b, 0.01 + 0.0005 * w * b) for w in VERIFY_WIDTHS for b in BATCHES]
-    draft = [StepCost(s, b, 0.002) for b in BATCHES for s in
-             [*(chain_shape(k) for k in AUTO_CHAIN_KS), *(predraft_shape(k) for k in AUTO_CHAIN_KS),
-              *(tree_shape(*t) for t in AUTO_TREES)]]
-    auto = AutoController(verify, lambda: (draft, []), 64, hidden_states=True, replan_every=1)
+    auto = controller(True, lambda width, batch: 0.01 + 0.0005 * width * batch)
     rng = np.random.default_rng(0)
 
     def serve(reqs: list[ActiveRequest], steps: int) -> str:

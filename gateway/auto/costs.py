@@ -219,15 +219,20 @@ class AdmissionRate:
 
     def __init__(self, window: int = 64) -> None:
         self.steps: deque = deque(maxlen=window)   # (admitted, tokens committed, requests that committed)
+        self.totals = [0, 0, 0]                    # the same, summed over the window (a plan asks per choice)
 
     def observe(self, admitted: int, tokens: int, requests: int) -> None:
+        if len(self.steps) == self.steps.maxlen:
+            for i, x in enumerate(self.steps[0]):
+                self.totals[i] -= x
         self.steps.append((admitted, tokens, requests))
+        for i, x in enumerate((admitted, tokens, requests)):
+            self.totals[i] += x
 
     def admissions(self, tokens_per_request: float) -> float:
         """Expected prompts admitted a step for a choice committing this many tokens per request a step."""
         if not self.steps:
             return 0.0
-        admitted = sum(a for a, _, _ in self.steps) / len(self.steps)
-        requests = sum(r for _, _, r in self.steps)
-        now = sum(t for _, t, _ in self.steps) / requests if requests else 1.0
-        return admitted * tokens_per_request / now
+        admitted, tokens, requests = self.totals
+        now = tokens / requests if requests else 1.0
+        return admitted / len(self.steps) * tokens_per_request / now
