@@ -27,7 +27,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from random_checkpoint import SHAPES, write_checkpoint, write_eagle3_head  # noqa: E402
 
-from specdec.model.eagle3 import default_aux_layers, head_aux_layers  # noqa: E402
+from specdec.launcher import eagle3_flags  # noqa: E402
+from specdec.model.eagle3 import default_aux_layers  # noqa: E402
 from specdec.model.spec import ModelSpec  # noqa: E402
 
 # CPU shapes: the smallest that still have grouped-query attention, several layers and a real tree.
@@ -58,15 +59,17 @@ class ModelPair:
     draft: Path
     controlled: bool   # random weights: acceptance comes from the controlled-acceptance drafter
     eagle3_head: Path | None = None    # draft with this EAGLE-3 head (then `draft` is unused)
-    aux_layers: tuple[int, ...] = ()   # the target layers the head reads (the verifier sends them)
+    project_hidden_states: bool = True  # the verifier applies the head's fc (as `specdec serve` does)
 
     def drafter_flags(self) -> list[str]:
         if self.eagle3_head is not None:
-            return ["--model", str(self.target), "--eagle3-head", str(self.eagle3_head)]
+            return eagle3_flags(self.eagle3_head, self.target, self.project_hidden_states)[1]
         return ["--model", str(self.draft)]
 
     def verifier_flags(self) -> list[str]:
-        return ["--aux-hidden-layers", ",".join(map(str, self.aux_layers))] if self.aux_layers else []
+        if self.eagle3_head is not None:
+            return eagle3_flags(self.eagle3_head, self.target, self.project_hidden_states)[0]
+        return []
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,7 @@ def with_eagle3_head(pair: ModelPair) -> ModelPair:
         (head / COMPLETE).touch()
     name = (pair.name.replace("8B/1B shapes", "8B shapes + EAGLE-3 head") if "8B/1B" in pair.name
             else f"{pair.name} + EAGLE-3 head")
-    return replace(pair, name=name, eagle3_head=head, aux_layers=head_aux_layers(head, pair.target))
+    return replace(pair, name=name, eagle3_head=head)
 
 
 def planted_head(model: torch.nn.Module) -> None:
@@ -152,14 +155,14 @@ def embedded_pair() -> tuple[ModelPair | None, str]:
     os.environ.setdefault("PIP_RETRIES", "1")   # offline machines: fail in seconds, not minutes
     os.environ.setdefault("PIP_TIMEOUT", "10")
     try:
-        from specdec.embedded_head import embedded_head, embedded_head_layers
+        from specdec.embedded_head import embedded_head
         from specdec.embedded_model import ensure_embedded_models
 
         target, draft = ensure_embedded_models(progress=False)
-        head, layers = embedded_head(), embedded_head_layers(target)
+        head = embedded_head()
     except Exception as exc:  # no network and no cache: the suite goes on without this part
         return None, f"{type(exc).__name__}: {exc}"
-    return ModelPair("SmolLM2-135M + its EAGLE-3 head", target, draft, False, head, layers), ""
+    return ModelPair("SmolLM2-135M + its EAGLE-3 head", target, draft, False, head), ""
 
 
 def random_prompts(n: int, vocab_size: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:

@@ -27,6 +27,7 @@ import argparse
 import shutil
 import sys
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -60,6 +61,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--eagle3-drafter", action="store_true",
                    help="random part: draft with a random EAGLE-3 head for the target instead of the 1B draft model "
                         "(its drafts rewritten to the same controlled acceptance)")
+    p.add_argument("--project-hidden-states", action=argparse.BooleanOptionalAction, default=True,
+                   help="EAGLE-3 pairs: the verifier applies the head's fc to the rows it sends (as `specdec serve` "
+                        "does); --no-project-hidden-states sends the aux layers' states concatenated")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--waves", type=int, default=3, help="measured waves per row; the row is their median")
     p.add_argument("--requests-per-client", type=int, default=1,
@@ -133,7 +137,7 @@ def _random_part(a, cells, dtype: str, work: Path, state: SuiteState) -> None:
         with state.phase("checkpoints"):
             pair = random_pair(root, a.tiny, a.device)
             if a.eagle3_drafter:
-                pair = with_eagle3_head(pair)
+                pair = replace(with_eagle3_head(pair), project_hidden_states=a.project_hidden_states)
         prompts = random_prompts(most * a.requests_per_client, 512 if a.tiny else 128256, lengths, a.seed)
         ref_len = a.max_new_tokens + max(c.config.lookahead for c in cells)
         settings = EngineSettings(max_sequences=most, cuda_graphs=a.device == "cuda",
@@ -175,6 +179,7 @@ def _smollm2_part(a, cells, work: Path, state: SuiteState) -> None:
     pair = smollm2_pair(state)
     if pair is None:
         return
+    pair = replace(pair, project_hidden_states=a.project_hidden_states)
     most = max(c.concurrency for c in cells)
     prompts = chat_prompts(pair.target, most * a.requests_per_client, heldout=True)
     settings = EngineSettings(max_sequences=most, cuda_graphs=a.device == "cuda", max_context=1024)

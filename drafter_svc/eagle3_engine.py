@@ -44,7 +44,11 @@ class Eagle3DrafterEngine:
         self.hedge_predrafts = hedge_predrafts   # overlap pre-drafts also cover each earlier rejection
         self.embed = embed_weight                       # [V, h]: the target's token embeddings
         self.device, self.dtype = embed_weight.device, embed_weight.dtype
-        self.aux_width = len(head.spec.aux_layers) * head.spec.target_hidden_size
+        # rows as the verifier sends them: the target's states concatenated, or projected by the
+        # head's fc there (--projected-hidden-states: fc is the identity here)
+        self.projected = isinstance(head.fc, torch.nn.Identity)
+        self.aux_width = (spec.hidden_size if self.projected
+                          else len(head.spec.aux_layers) * head.spec.target_hidden_size)
         self.max_context = min(max_context, spec.max_position_embeddings)
         self.slot_len = self.max_context + DRAFT_SLACK
         self.cache = KVCache(1, max_sequences + 1, self.slot_len, spec.num_kv_heads, spec.head_dim, self.dtype,
@@ -91,7 +95,7 @@ class Eagle3DrafterEngine:
                                  f"the EAGLE-3 drafter needs the target's hidden states of layers "
                                  f"{list(self.head.spec.aux_layers)} for every committed token but the last: "
                                  f"expected {want} rows of {self.aux_width}, got {got} (start the verifier with "
-                                 f"--aux-hidden-layers {','.join(map(str, self.head.spec.aux_layers))})")
+                                 f"{self._verifier_flag()})")
         state = apply_item(self.table, item, self.slot_len, self.max_context)
         if isinstance(state, SequenceError):
             return state
@@ -105,6 +109,11 @@ class Eagle3DrafterEngine:
                 held, rows = (dequantize_rows(t, self.dtype) if t.dtype == torch.uint8 else t for t in (held, rows))
             self.rows[state.seq_id] = torch.cat([held, rows])
         return state
+
+    def _verifier_flag(self) -> str:
+        if self.projected:
+            return "--project-hidden-states set to this drafter's head"
+        return f"--aux-hidden-layers {','.join(map(str, self.head.spec.aux_layers))} and no --project-hidden-states"
 
     @torch.inference_mode()
     def _draft(self, ready: list[tuple[SequenceState, DraftItem]]) -> list[tuple[DraftTree, dict[int, DraftTree]]]:
@@ -329,15 +338,16 @@ def head_tree(head: Eagle3Head, embed: torch.Tensor, cache: KVCache, root_logits
 
 
 def build_eagle3_drafter(target_dir, head_dir, dtype: torch.dtype, device: torch.device, max_sequences: int,
-                         max_context: int, hedge_predrafts: bool = False, engine_class: type | None = None,
-                         **extra) -> Eagle3DrafterEngine:
+                         max_context: int, hedge_predrafts: bool = False, projected: bool = False,
+                         engine_class: type | None = None, **extra) -> Eagle3DrafterEngine:
     """The head from head_dir (published layout) and the target's embeddings from target_dir;
-    engine_class: a subclass to build instead (the benchmarks' controlled drafter), given `extra`."""
+    projected: the verifier applies the head's fc (--projected-hidden-states); engine_class: a
+    subclass to build instead (the benchmarks' controlled drafter), given `extra`."""
     from specdec.model.eagle3 import load_eagle3
     from specdec.model.loader import load_embeddings
     from specdec.model.spec import ModelSpec
 
-    head = load_eagle3(head_dir, ModelSpec.from_pretrained(target_dir), dtype, device)
+    head = load_eagle3(head_dir, ModelSpec.from_pretrained(target_dir), dtype, device, projected)
     return (engine_class or Eagle3DrafterEngine)(head, load_embeddings(target_dir, dtype, device), max_sequences,
                                                  max_context, hedge_predrafts, **extra)
 

@@ -230,16 +230,23 @@ class Router:
             r.events.put_nowait(Event(r.sample_index, error=("UNAVAILABLE", message)))
 
     def _pairs_with(self, drafter: Replica, verifier: Replica) -> bool:
-        """An EAGLE-3 drafter only with a verifier that sends the hidden-state layers it needs."""
+        """An EAGLE-3 drafter only with a verifier that sends the hidden-state layers it needs, in
+        the form it reads (concatenated, or projected by its head's fc)."""
         needs = list(drafter.info.aux_hidden_layers) if drafter.info else []
-        if not needs or verifier.info is None or needs == list(verifier.info.aux_hidden_layers):
+        if not needs or verifier.info is None:
+            return True
+        sends, form = list(verifier.info.aux_hidden_layers), verifier.info.hidden_projection
+        if needs == sends and drafter.info.hidden_projection == form:
             return True
         if (drafter.address, verifier.address) not in self._warned_pairs:
             self._warned_pairs.add((drafter.address, verifier.address))
-            self.log.warning("drafter and verifier disagree on hidden-state layers: requests on this verifier run "
-                             "without that drafter (start the verifier with --aux-hidden-layers "
-                             f"{','.join(map(str, needs))})", drafter=drafter.address, verifier=verifier.address,
-                             verifier_sends=list(verifier.info.aux_hidden_layers))
+            fix = (f"--aux-hidden-layers {','.join(map(str, needs))}" if needs != sends else
+                   "--project-hidden-states set to the drafter's head" if drafter.info.hidden_projection else
+                   "no --project-hidden-states, or the drafter with --projected-hidden-states")
+            self.log.warning("drafter and verifier disagree on hidden states: requests on this verifier run "
+                             f"without that drafter (start the verifier with {fix})", drafter=drafter.address,
+                             verifier=verifier.address, verifier_sends=sends, verifier_projection=form,
+                             drafter_projection=drafter.info.hidden_projection)
         return False
 
     def _on_done(self, r: ActiveRequest) -> None:

@@ -140,6 +140,9 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS),
                    help=f"{list(CONFIGS)} or any chain or tree spelled the same way, e.g. 'tree topk=8 depth=6 budget=32'")
     p.add_argument("--eagle3-head", default=None, help="draft with this EAGLE-3 head instead of --draft")
+    p.add_argument("--project-hidden-states", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --eagle3-head: the verifier applies the head's fc to the rows it sends (as "
+                        "`specdec serve` does)")
     p.add_argument("--prompts", default="fixed", choices=["fixed", "heldout"],
                    help="fixed: the 8 prompts above; heldout: the first --num-prompts held-out training prompts")
     p.add_argument("--num-prompts", type=int, default=16)
@@ -174,12 +177,10 @@ def main() -> None:
         target, draft = ensure_embedded_models()
     drafter_extra, verifier_extra = [], []
     if a.eagle3_head:
-        from specdec.model.eagle3 import head_aux_layers
+        from specdec.launcher import eagle3_flags
 
-        aux = head_aux_layers(a.eagle3_head, target)
         draft = target   # the drafter reads the target checkpoint's embeddings
-        drafter_extra = ["--eagle3-head", a.eagle3_head]
-        verifier_extra = ["--aux-hidden-layers", ",".join(map(str, aux))]
+        verifier_extra, drafter_extra = eagle3_flags(Path(a.eagle3_head), target, a.project_hidden_states)
     texts = PROMPTS
     if a.prompts == "heldout":
         from specdec.train.prompts import build_prompts

@@ -14,7 +14,7 @@ from specdec.config import (
     add_device_arguments,
     resolve_device,
 )
-from specdec.env import env
+from specdec.env import env, env_flag
 from specdec.security import add_client_tls_arguments, add_server_tls_arguments
 
 
@@ -38,18 +38,19 @@ def embedded_head_dir() -> Path:
 
 def engine_config(args: argparse.Namespace) -> EngineServiceConfig:
     """A drafter or verifier; without --model, the embedded defaults: the SmolLM2 target, drafted
-    for by the embedded EAGLE-3 head (the verifier then sends that head's layers)."""
+    for by the embedded EAGLE-3 head (the verifier then sends that head's layers, projected by its fc)."""
     role = args.command
     if args.model_dir:
         return EngineServiceConfig.from_args(args, role, Path(args.model_dir))
     target = default_models(None, None)[0]
     cfg = EngineServiceConfig.from_args(args, role, target)
+    # The embedded pair's rows travel projected by the head's fc unless a flag says otherwise:
+    # --no-projected-hidden-states (drafter), --aux-hidden-layers or --project-hidden-states (verifier).
     if role == "drafter" and cfg.eagle3_head is None and cfg.controlled is None:
-        return replace(cfg, eagle3_head=embedded_head_dir())
-    if role == "verifier" and not cfg.aux_hidden_layers:
-        from specdec.embedded_head import embedded_head_layers
-
-        return replace(cfg, aux_hidden_layers=embedded_head_layers(target))
+        projected = cfg.projected_hidden_states if args.projected_hidden_states is not None else True
+        return replace(cfg, eagle3_head=embedded_head_dir(), projected_hidden_states=projected)
+    if role == "verifier" and not cfg.aux_hidden_layers and cfg.project_hidden_states is None:
+        return replace(cfg, project_hidden_states=embedded_head_dir())
     return cfg
 
 
@@ -72,6 +73,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="draft with this EAGLE-3 head (published layout) instead of --draft; the verifier then "
                         "sends the head's hidden-state layers with its verdicts (default with no --target and "
                         "no --draft: the embedded head trained for SmolLM2)")
+    s.add_argument("--project-hidden-states", action=argparse.BooleanOptionalAction,
+                   default=env_flag("SERVE_PROJECT_HIDDEN_STATES") is not False,
+                   help="with an EAGLE-3 head: the verifier applies the head's fc to the hidden states it sends, "
+                        "so they travel at the head's width, not three layers' (default on; env "
+                        "SPECDEC_SERVE_PROJECT_HIDDEN_STATES=0 turns it off)")
     s.add_argument("--max-restarts", type=int, default=int(env("MAX_RESTARTS", "5")),
                    help="a child that dies is restarted; more than this many restarts within --restart-window "
                         "seconds is a crash loop and stops serve")

@@ -78,6 +78,8 @@ class EngineServiceConfig:
     hedge_predrafts: bool = False    # drafter (EAGLE-3): overlap pre-drafts also for each earlier rejection
     fold_prefill: bool = False       # verifier: prompt chunks ride in the verify forward as extra rows
     hidden_states_fp8: bool = False  # verifier: verdicts carry hidden states packed to float8 (cuda default)
+    project_hidden_states: Path | None = None  # verifier: an EAGLE-3 head whose fc projects the rows sent
+    projected_hidden_states: bool = False      # drafter (EAGLE-3): the verifier applies the head's fc
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
@@ -135,7 +137,16 @@ class EngineServiceConfig:
                                 "the bytes of bf16 on every hop to the drafter (drafts only: output unchanged). "
                                 "Default: on cuda, where it is packed on the device; off on cpu "
                                 "(env SPECDEC_HIDDEN_STATES_FP8=1/0)")
+            p.add_argument("--project-hidden-states", metavar="HEAD", default=env("PROJECT_HIDDEN_STATES"),
+                           help="apply this EAGLE-3 head's fc to the hidden states before they leave: rows of the "
+                                "head's width instead of the aux layers' concatenation (a third of the bytes for "
+                                "three layers); the drafter then runs with --projected-hidden-states. Implies "
+                                "--aux-hidden-layers of the head (env SPECDEC_PROJECT_HIDDEN_STATES)")
         if role == "drafter":
+            p.add_argument("--projected-hidden-states", action=argparse.BooleanOptionalAction,
+                           default=env_flag("PROJECTED_HIDDEN_STATES"),
+                           help="EAGLE-3 head: the verifier applies the head's fc (--project-hidden-states HEAD), "
+                                "so the rows arrive at the head's width (env SPECDEC_PROJECTED_HIDDEN_STATES=1)")
             p.add_argument("--eagle3-head", metavar="DIR", default=env("EAGLE3_HEAD"),
                            help="draft with this EAGLE-3 head (the published checkpoint layout) instead of a draft "
                                 "model; --model is then the TARGET checkpoint (for its embeddings), and the verifier "
@@ -179,7 +190,9 @@ class EngineServiceConfig:
                    Path(a.eagle3_head) if getattr(a, "eagle3_head", None) else None, a.cost_profile, a.metrics_listen, a.drain_seconds,
                    server_tls_from_args(a), getattr(a, "prefill_chunk", 0), a.cpu_threads,
                    getattr(a, "hedge_predrafts", False), on_cuda_unless_set(a, "fold_prefill"),
-                   on_cuda_unless_set(a, "hidden_states_fp8"))
+                   on_cuda_unless_set(a, "hidden_states_fp8"),
+                   Path(a.project_hidden_states) if getattr(a, "project_hidden_states", None) else None,
+                   bool(getattr(a, "projected_hidden_states", False)))
 
 
 def on_cuda_unless_set(a: argparse.Namespace, flag: str) -> bool:

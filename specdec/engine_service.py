@@ -50,15 +50,25 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
         from verifier_svc.warmup import warm_up
 
         try:
+            projection = None
+            if cfg.project_hidden_states:
+                from specdec.model.hidden_projection import load_projection
+
+                projection = load_projection(cfg.project_hidden_states, spec, DTYPES[cfg.dtype], runner.device)
             engine = VerifierEngine(runner, cfg.max_sequences, cfg.max_context, cfg.max_draft_tokens,
-                                    cfg.aux_hidden_layers, cfg.prefill_chunk, cfg.fold_prefill, cfg.hidden_states_fp8)
-        except ValueError as exc:
+                                    cfg.aux_hidden_layers, cfg.prefill_chunk, cfg.fold_prefill, cfg.hidden_states_fp8,
+                                    projection)
+        except (ValueError, FileNotFoundError) as exc:
             raise SystemExit(f"verifier: {exc}") from exc
         if cfg.fold_prefill:
             log.info("prompt chunks fold into the verify forward (--fold-prefill)", graph_rows=engine.graph_rows)
         info.max_context = engine.max_context
-        info.aux_hidden_layers.extend(cfg.aux_hidden_layers)
-        if engine.hidden_fp8 and cfg.aux_hidden_layers:
+        info.aux_hidden_layers.extend(runner.aux_layers)
+        if projection is not None:
+            info.hidden_projection = projection.fingerprint
+            log.info("hidden states travel projected by the head's fc (--project-hidden-states)",
+                     head=str(cfg.project_hidden_states), width=projection.width, fc=projection.fingerprint)
+        if engine.hidden_fp8 and runner.aux_layers:
             log.info("hidden states travel packed to float8 (--hidden-states-fp8)")
         servicer = VerifierServicer(engine, info, log, executor)
         register = lambda server: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)  # noqa: E731
@@ -81,16 +91,20 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
 
                 controlled = dict(engine_class=ControlledEagle3Drafter, control=cfg.controlled)
             engine = build_eagle3_drafter(cfg.model_dir, cfg.eagle3_head, DTYPES[cfg.dtype], torch.device(cfg.device),
-                                          cfg.max_sequences, cfg.max_context, cfg.hedge_predrafts, **controlled)
+                                          cfg.max_sequences, cfg.max_context, cfg.hedge_predrafts,
+                                          cfg.projected_hidden_states, **controlled)
             log.info("EAGLE-3 head", head=str(cfg.eagle3_head), aux_layers=list(engine.head.spec.aux_layers),
-                     hedge_predrafts=cfg.hedge_predrafts)
+                     hedge_predrafts=cfg.hedge_predrafts, projected=engine.projected, fc=engine.head.fc_fingerprint)
             info.aux_hidden_layers.extend(engine.head.spec.aux_layers)
+            info.hidden_projection = engine.head.fc_fingerprint if engine.projected else ""
         elif cfg.controlled is None:
             engine = DrafterEngine(runner, cfg.max_sequences, cfg.max_context)
         else:
             from drafter_svc.controlled import ControlledAcceptanceDrafter
 
             engine = ControlledAcceptanceDrafter(runner, cfg.max_sequences, cfg.max_context, cfg.controlled)
+        if cfg.projected_hidden_states and not eagle3:
+            log.warning("--projected-hidden-states: only an EAGLE-3 head reads hidden states; ignored")
         if cfg.hedge_predrafts and not eagle3:
             log.warning("--hedge-predrafts: only an EAGLE-3 head hedges; this draft model pre-drafts one branch")
         info.max_context = engine.max_context

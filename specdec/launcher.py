@@ -40,12 +40,9 @@ def serve_all(args, target: Path, draft: Path, eagle3_head: Path | None) -> int:
            for role, flags in serve_flags().items()}
     verifier_flags = ["--batch-invariant"] if args.batch_invariant else []
     drafter_flags = ["--model", str(draft)]
-    if eagle3_head:  # the drafter reads the target's embeddings; the verifier sends the head's layers
-        from specdec.model.eagle3 import head_aux_layers
-
-        layers = head_aux_layers(eagle3_head, target)
-        verifier_flags += ["--aux-hidden-layers", ",".join(map(str, layers))]
-        drafter_flags = ["--model", str(target), "--eagle3-head", str(eagle3_head)]
+    if eagle3_head:
+        extra_verifier, drafter_flags = eagle3_flags(eagle3_head, target, args.project_hidden_states)
+        verifier_flags += extra_verifier
     # The engines listen on loopback only and the gateway dials them in plaintext: TLS settings
     # (flags or SPECDEC_TLS_* in our environment) are for the gateway's public port.
     plain = dict.fromkeys(("SPECDEC_TLS_CERT", "SPECDEC_TLS_KEY", "SPECDEC_TLS_CA"))
@@ -63,6 +60,19 @@ def serve_all(args, target: Path, draft: Path, eagle3_head: Path | None) -> int:
                                  "--drafter", "none" if args.no_drafter else drafter_addr, "--target", str(target),
                                  *public], {}))
     return Supervisor(children, args.max_restarts, args.restart_window).run()
+
+
+def eagle3_flags(head: Path, target: Path, project: bool) -> tuple[list[str], list[str]]:
+    """(verifier flags, drafter flags) of an EAGLE-3 pair: the drafter reads the target's
+    embeddings and the head; the verifier sends the head's layers, projected by its fc (project) or
+    concatenated."""
+    drafter = ["--model", str(target), "--eagle3-head", str(head)]
+    if project:
+        return ["--project-hidden-states", str(head)], [*drafter, "--projected-hidden-states"]
+    from specdec.model.eagle3 import head_aux_layers
+
+    layers = ",".join(map(str, head_aux_layers(head, target)))
+    return ["--aux-hidden-layers", layers], [*drafter, "--no-projected-hidden-states"]
 
 
 def gpus(ids: str | None) -> dict[str, str]:

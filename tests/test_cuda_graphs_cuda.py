@@ -34,8 +34,9 @@ def test_graphed_drafter_equals_eager_drafter(checkpoints):
     check_drafts(drafter(path, False, "cuda", torch.float32), drafter(path, True, "cuda", torch.float32), tol=1e-4)
 
 
-def test_graphed_eagle3_drafter_equals_eager_drafter(checkpoints, tmp_path):
+@pytest.mark.parametrize("projected", [False, True], ids=["rows", "projected-rows"])
+def test_graphed_eagle3_drafter_equals_eager_drafter(checkpoints, tmp_path, projected):
     from test_eagle3_drafter import check_graphed_equals_eager, setup
 
     target, head_dir = setup(checkpoints, tmp_path)
-    check_graphed_equals_eager(target, head_dir, "cuda", torch.float32, tol=1e-4)
+    check_graphed_equals_eager(target, head_dir, "cuda", torch.float32, tol=1e-4, projected=projected)

@@ -2,8 +2,10 @@
 target's hidden states (--aux-hidden-layers) with its verdicts, the gateway forwarding them with
 the committed tokens, the drafter drafting from a head in the published layout (--eagle3-head).
 Greedy output equals Hugging Face's greedy generate in chain mode with and without overlap, and
-speculation really ran, in chain mode (overlap on and off) and tree mode. A verifier that does not send the head's layers is not paired with the drafter
-(ServiceInfo says which layers each has), and its requests stay lossless in mode off."""
+speculation really ran, in chain mode (overlap on and off) and tree mode, with the rows as computed,
+packed to fp8, and projected by the head's fc on the verifier. A verifier that does not send the
+head's layers, or sends them in the other form (projected or not), is not paired with the drafter
+(ServiceInfo says which layers and which form each has), and its requests stay lossless in mode off."""
 
 from __future__ import annotations
 
@@ -22,13 +24,19 @@ def head(checkpoints, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-rows", "fp8-rows"])
-def test_eagle3_chains_are_lossless(checkpoints, head, start_cluster, fp8):
-    """fp8-rows: the verifier packs the hidden states to float8 (--hidden-states-fp8)."""
+@pytest.mark.parametrize("fp8, projected", [(False, False), (True, False), (True, True)],
+                         ids=["bf16-rows", "fp8-rows", "projected-fp8-rows"])
+def test_eagle3_chains_are_lossless(checkpoints, head, start_cluster, fp8, projected):
+    """fp8-rows: the verifier packs the hidden states to float8 (--hidden-states-fp8); projected:
+    it applies the head's fc to them first (--project-hidden-states, the drafter with
+    --projected-hidden-states), as `specdec serve` runs an EAGLE-3 head."""
     target = checkpoints["llama-gqa"]
-    cluster = start_cluster(target, target, verifier_extra=["--aux-hidden-layers", "1,2,3",
-                                                            "--hidden-states-fp8" if fp8 else "--no-hidden-states-fp8"],
-                            drafter_extra=["--eagle3-head", str(head)])
+    rows = ["--project-hidden-states", str(head)] if projected else ["--aux-hidden-layers", "1,2,3"]
+    rows.append("--hidden-states-fp8" if fp8 else "--no-hidden-states-fp8")
+    reads = ["--projected-hidden-states"] if projected else []
+    cluster = start_cluster(target, target, verifier_extra=rows, drafter_extra=["--eagle3-head", str(head), *reads])
+    assert cluster.info("verifier").hidden_projection == cluster.info("drafter").hidden_projection
+    assert bool(cluster.info("drafter").hidden_projection) == projected
     for prompt in PROMPTS:
         want = hf_greedy(target, prompt, 24)
         for spec in ({"k": 4}, {"k": 3, "overlap": False}):
@@ -80,7 +88,22 @@ def test_eagle3_without_hidden_states_stays_lossless(checkpoints, head, start_cl
     ids, final = cluster.generate(PROMPTS[0], 16, "chain", k=4)
     assert ids == hf_greedy(target, PROMPTS[0], 16) and final.stats.mode == "off"
     # the gateway did not pair them (rather than the drafter refusing each request)
-    assert "disagree on hidden-state layers" in (cluster.log_dir / "gateway.log").read_text()
+    assert "disagree on hidden states" in (cluster.log_dir / "gateway.log").read_text()
+
+
+@pytest.mark.parametrize("verifier_projects", [False, True], ids=["drafter-expects-projected", "verifier-projects"])
+def test_eagle3_rows_in_the_other_form_are_not_paired(checkpoints, head, start_cluster, verifier_projects):
+    """One side projects by the head's fc, the other does not: the gateway does not pair them
+    (ServiceInfo.hidden_projection), and requests stay lossless in mode off."""
+    target = checkpoints["llama-gqa"]
+    verifier = ["--project-hidden-states", str(head)] if verifier_projects else ["--aux-hidden-layers", "1,2,3"]
+    drafter = [] if verifier_projects else ["--projected-hidden-states"]
+    cluster = start_cluster(target, target, verifier_extra=verifier,
+                            drafter_extra=["--eagle3-head", str(head), *drafter])
+    assert list(cluster.info("verifier").aux_hidden_layers) == [1, 2, 3]
+    ids, final = cluster.generate(PROMPTS[0], 16, "chain", k=4)
+    assert ids == hf_greedy(target, PROMPTS[0], 16) and final.stats.mode == "off"
+    assert "disagree on hidden states" in (cluster.log_dir / "gateway.log").read_text()
 
 
 def test_eagle3_under_auto_switching_shapes_every_step(checkpoints, head, start_cluster):

@@ -185,14 +185,19 @@ def graphed(eng: Eagle3DrafterEngine, device: str) -> Eagle3DrafterEngine:
     return eng
 
 
-def check_graphed_equals_eager(target, head_dir, device: str, dtype=torch.float64, tol=1e-9) -> None:
+def check_graphed_equals_eager(target, head_dir, device: str, dtype=torch.float64, tol=1e-9,
+                               projected: bool = False) -> None:
     """Three sequences (a padded bucket of 4), chains with and without assumed tokens and trees:
     the replayed loops draft the eager engine's tokens, and hedges drafted from the replayed chains'
-    alternatives equal those from eager ones."""
+    alternatives equal those from eager ones. projected: rows arrive projected by the head's fc."""
+    from specdec.model.hidden_projection import load_projection
+
     def make():
-        head = load_eagle3(head_dir, target.spec, dtype, torch.device(device))
+        head = load_eagle3(head_dir, target.spec, dtype, torch.device(device), projected)
         return Eagle3DrafterEngine(head, target.model.embed_tokens.weight.to(device, dtype), 3, 128,
                                    hedge_predrafts=True)
+
+    project = load_projection(head_dir, target.spec, dtype, torch.device(device)) if projected else lambda x: x
 
     eager, fast = make(), graphed(make(), device)
     contexts = {"a": [3, 14, 15, 92, 65], "b": [35, 89, 79, 32, 38, 46, 26], "c": [43, 38]}
@@ -203,7 +208,7 @@ def check_graphed_equals_eager(target, head_dir, device: str, dtype=torch.float6
         tree = step % 3 == 0
         items = []
         for sid, ctx in contexts.items():
-            states = target_states(target, eager.head.spec.aux_layers, ctx).to(device, dtype)
+            states = project(target_states(target, eager.head.spec.aux_layers, ctx).to(device, dtype))
             shape = TreeShape(2, 3, 5) if tree else ChainShape(rng.choice([2, 4]))
             assumed = [] if tree else [rng.randrange(380) for _ in range(rng.choice([0, 2]))]
             items.append(DraftItem(sid, len(ctx), ctx[sent[sid]:], assumed, shape,
@@ -224,9 +229,10 @@ def check_graphed_equals_eager(target, head_dir, device: str, dtype=torch.float6
     assert hedged > 0
 
 
-def test_replayed_draft_loops_equal_eager_ones(checkpoints, tmp_path):
+@pytest.mark.parametrize("projected", [False, True], ids=["rows", "projected-rows"])
+def test_replayed_draft_loops_equal_eager_ones(checkpoints, tmp_path, projected):
     target, head_dir = setup(checkpoints, tmp_path)
-    check_graphed_equals_eager(target, head_dir, "cpu")
+    check_graphed_equals_eager(target, head_dir, "cpu", projected=projected)
 
 
 @pytest.mark.parametrize("replayed", [False, True], ids=["eager", "graph-padded"])

@@ -51,15 +51,18 @@ def test_embedded_model_is_lossless_through_the_services(embedded, start_cluster
 
 def test_embedded_head_drafts_losslessly_with_accepted_tokens(embedded, start_cluster):
     """The shipped EAGLE-3 head (the default drafter of `specdec serve`): checksum-checked, paired
-    with a verifier sending its layers, greedy output equal to HF generate in chain and tree mode."""
+    with a verifier sending its layers projected by its fc (the flags `specdec serve` passes),
+    greedy output equal to HF generate in chain and tree mode."""
+    from specdec.launcher import eagle3_flags
+
     target, _ = embedded
     head = embedded_head()
-    layers = ",".join(map(str, embedded_head_layers(target)))
+    verifier, drafter = eagle3_flags(head, target, project=True)
     tok = AutoTokenizer.from_pretrained(target)
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     hf.generation_config.eos_token_id = None
-    cluster = start_cluster(target, target, dtype="float32", verifier_extra=["--aux-hidden-layers", layers, *PREFILL],
-                            drafter_extra=["--eagle3-head", str(head)])
+    cluster = start_cluster(target, target, dtype="float32", verifier_extra=[*verifier, *PREFILL], drafter_extra=drafter)
+    assert cluster.info("drafter").hidden_projection == cluster.info("verifier").hidden_projection != ""
     chat = tok.apply_chat_template([{"role": "user", "content": "Explain what a CPU cache is."}],
                                    add_generation_prompt=True, tokenize=False)
     ids = tok(chat, add_special_tokens=False)["input_ids"]
@@ -95,7 +98,8 @@ def test_a_damaged_embedded_head_is_refused(tmp_path, monkeypatch):
 
 
 def test_services_default_to_the_embedded_head(embedded):
-    """`specdec drafter` / `specdec verifier` with no --model: the head drafts, the verifier sends its layers."""
+    """`specdec drafter` / `specdec verifier` with no --model: the head drafts, the verifier sends its
+    layers projected by its fc (the embedded head's are 2, 15, 27)."""
     import argparse
 
     from specdec.cli import engine_config
@@ -108,10 +112,17 @@ def test_services_default_to_the_embedded_head(embedded):
         args.command = role
         cfg = engine_config(args)
         assert cfg.model_dir == embedded[0]
-        if role == "drafter":
-            assert cfg.eagle3_head == embedded_head()
-        else:
-            assert cfg.aux_hidden_layers == embedded_head_layers(embedded[0]) == (2, 15, 27)
+        if role == "drafter":   # the rows arrive projected by the head's fc
+            assert cfg.eagle3_head == embedded_head() and cfg.projected_hidden_states
+            args = p.parse_args(["--no-projected-hidden-states"])
+            args.command = role
+            assert not engine_config(args).projected_hidden_states
+        else:   # the head's layers, projected by its fc; explicit layers: concatenated
+            assert cfg.project_hidden_states == embedded_head() and cfg.aux_hidden_layers == ()
+            args = p.parse_args(["--aux-hidden-layers", "2,15,27"])
+            args.command = role
+            assert engine_config(args).project_hidden_states is None
     args = p.parse_args(["--model", str(embedded[1])])   # an explicit model: no EAGLE-3 defaults
     args.command = "verifier"
-    assert engine_config(args).aux_hidden_layers == ()
+    assert engine_config(args).aux_hidden_layers == () and engine_config(args).project_hidden_states is None
+    assert embedded_head_layers(embedded[0]) == (2, 15, 27)

@@ -15,6 +15,7 @@ from kernels.spec_sampling import child_table, spec_sample
 from specdec.errors import ErrorCode, SequenceError
 from specdec.model.batch import ForwardBatch, causal_region, rows_of, upload, upload_feeds, upload_list
 from specdec.model.fp8_rows import quantize_rows
+from specdec.model.hidden_projection import HiddenProjection
 from specdec.model.runner import ModelRunner
 from specdec.sampling import ACCEPT, RESIDUAL, processed_probs, sample_from, seed_tensor, uniforms
 from specdec.sequence_table import SequenceState, SequenceTable
@@ -26,21 +27,28 @@ from verifier_svc.types import Verdict, VerifierStep, VerifierStepResult, Verify
 class VerifierEngine:
     def __init__(self, runner: ModelRunner, max_sequences: int, max_context: int, max_draft_tokens: int,
                  aux_layers: tuple[int, ...] = (), prefill_chunk: int = 0, fold_prefill: bool = False,
-                 hidden_fp8: bool = False) -> None:
+                 hidden_fp8: bool = False, projection: HiddenProjection | None = None) -> None:
         """aux_layers: target layers (0..num_layers) whose input hidden states every verdict carries
         for the positions it committed (for an EAGLE-3 drafter); empty = none. prefill_chunk: prompt
         tokens prefilled per step over all sequences (0: whole prompts in the step they open).
         fold_prefill: a step's prompt chunks ride in its verify forward as extra rows, up to
         `graph_rows` rows in all, instead of a forward of their own (one pass over the weights).
         hidden_fp8: verdicts carry hidden states quantized on the device (quantize_rows: half the
-        bytes of bf16 on every hop to the drafter)."""
+        bytes of bf16 on every hop to the drafter). projection: an EAGLE-3 head's fc, applied to the
+        rows before they leave (--project-hidden-states; aux_layers default to the head's)."""
         spec = runner.spec
+        if projection is not None:
+            aux_layers = aux_layers or projection.aux_layers
+            if tuple(aux_layers) != projection.aux_layers:
+                raise ValueError(f"--aux-hidden-layers {list(aux_layers)} differ from the layers "
+                                 f"{list(projection.aux_layers)} of the head whose fc projects them")
         if not all(0 <= i <= spec.num_layers for i in aux_layers):
             raise ValueError(f"aux hidden-state layers {list(aux_layers)} must lie in 0..{spec.num_layers}")
         runner.aux_layers = tuple(aux_layers)
         self.hidden_wanted: set[str] = set()  # sequences whose verdicts carry hidden states
         self.hidden_held: dict[str, list[torch.Tensor]] = {}   # rows kept back (hold_hidden), host, in order
         self.hidden_fp8 = hidden_fp8
+        self.projection = projection
         self.runner = runner
         self.spec = spec
         self.device = runner.device
@@ -195,7 +203,10 @@ class VerifierEngine:
         return out
 
     def _wire(self, rows: torch.Tensor) -> torch.Tensor:
-        """Hidden-state rows [..., A] as verdicts carry them: as computed, or packed to fp8 here."""
+        """Hidden-state rows [..., A] as verdicts carry them: as computed or projected by the head's
+        fc ([..., h]), and packed to fp8 here or not."""
+        if self.projection is not None:
+            rows = self.projection(rows)
         return quantize_rows(rows) if self.hidden_fp8 else rows
 
     def _forward(self, batch: ForwardBatch, logit_index: torch.Tensor | None = None):

@@ -21,6 +21,7 @@ states concatenated and projected by `fc`, or the head's own previous output whe
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,10 +122,10 @@ class Eagle3Head(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
 
-def load_eagle3(head_dir: str | Path, target: ModelSpec, dtype: torch.dtype, device: torch.device) -> Eagle3Head:
-    """A head saved in the published layout (model.safetensors or pytorch_model.bin)."""
+def read_head_state(head_dir: str | Path) -> dict[str, torch.Tensor]:
+    """A head's tensors as stored (model.safetensors or pytorch_model.bin), the target's embeddings
+    that some trainers save too left out."""
     head_dir = Path(head_dir)
-    spec = Eagle3Spec.from_pretrained(head_dir, target)
     files = sorted(head_dir.glob("*.safetensors"))
     state: dict[str, torch.Tensor] = {}
     for f in files:
@@ -135,7 +136,26 @@ def load_eagle3(head_dir: str | Path, target: ModelSpec, dtype: torch.dtype, dev
             raise FileNotFoundError(f"no *.safetensors or *.bin weights in {head_dir}")
         for f in bins:
             state.update(torch.load(f, map_location="cpu", weights_only=True))
-    state.pop("embed_tokens.weight", None)  # some trainers save the target's embeddings too
+    state.pop("embed_tokens.weight", None)
+    return state
+
+
+def fc_fingerprint(fc_weight: torch.Tensor) -> str:
+    """Names the projection a head's `fc` makes: the first 16 hex digits of the sha256 of its
+    weight as stored, so a verifier that projects and a drafter that expects projected rows can
+    tell whether they hold the same fc whatever dtype each loaded it in."""
+    raw = fc_weight.detach().contiguous().cpu().flatten().view(torch.uint8).numpy()
+    return hashlib.sha256(raw.tobytes()).hexdigest()[:16]
+
+
+def load_eagle3(head_dir: str | Path, target: ModelSpec, dtype: torch.dtype, device: torch.device,
+                projected: bool = False) -> Eagle3Head:
+    """A head saved in the published layout. projected: the verifier applies its `fc`
+    (--project-hidden-states), so the head takes rows of its own width and its fc is the identity.
+    The head's `fc_fingerprint` names its fc either way."""
+    head_dir = Path(head_dir)
+    spec = Eagle3Spec.from_pretrained(head_dir, target)
+    state = read_head_state(head_dir)
     with torch.device("meta"):
         head = Eagle3Head(spec)
     expected = set(head.state_dict())
@@ -146,6 +166,9 @@ def load_eagle3(head_dir: str | Path, target: ModelSpec, dtype: torch.dtype, dev
     buffers = {"d2t": torch.long, "t2d": torch.bool}
     head.load_state_dict({k: v.to(buffers.get(k, dtype)) for k, v in state.items()}, assign=True)
     head.rotary.inv_freq = spec.layer.rope_inv_freq()[0]
+    head.fc_fingerprint = fc_fingerprint(state["fc.weight"])
+    if projected:
+        head.fc = nn.Identity()
     if device.type == "cpu":
         replace_linears(head, SkinnyLinear)
     return head.to(device).eval()
