@@ -226,3 +226,64 @@ def test_prompts_arriving_at_a_load_where_auto_chose_off_are_held_while_it_draft
     assert auto.holds_admissions(32) and auto.holds_admissions(20)   # (the same bucket)
     assert not auto.holds_admissions(1)
     assert not auto.holds_admissions(64) and not auto.holds_admissions(4)   # never planned: the last plan drafts
+
+
+def test_a_probe_that_would_pay_for_a_whole_batch_reopens_admissions(monkeypatch):
+    """Settled off at a batch of parked requests, the plan after a scout's probe prices the scout
+    speculating alone beside them, which a high load never repays. When speculation would pay for a
+    batch of requests that all draft (AutoPolicy.pays_for_a_batch), the scout is kept and for a
+    probe interval the requests admitted are neither parked nor scouts (their rows held on the
+    verifier while auto runs off), so the batch can turn into one that drafts; after it they are
+    parked again. When it would not pay, the scout is parked as before."""
+    for pays in (True, False):
+        auto = controller(hidden_states=True)
+        running = settle_off(auto)
+        policy = auto.policies[True]
+        monkeypatch.setattr(policy, "pays_for_a_batch", lambda batch: pays)
+        serve_without_acceptance(auto, running, policy.probe_interval)
+        scout = request(200)
+        auto.admit(scout)
+        batch = running + [scout]
+        serve_without_acceptance(auto, batch, 2)          # its probe, then a plan that still chooses off
+        assert scout.parked != pays and not scout.scout and auto.settled_off()
+        joined = [request(i) for i in range(100, 104)]
+        for r in joined:
+            auto.admit(r)
+        assert all(not r.parked and not r.scout for r in joined) == pays
+        assert all(r.parked for r in joined) != pays
+        assert auto.holds_admissions(len(batch) + 4) == pays   # reopened: their rows stay on the verifier
+        if pays:   # a probe interval later admissions are parked again (auto still settled off)
+            assert auto.open_steps == policy.probe_interval
+            serve_without_acceptance(auto, batch + joined, auto.open_steps)
+            late = request(300)
+            auto.admit(late)
+            assert late.parked or late.scout
+
+
+def measured_policy(right: float):
+    """An auto policy over 13 requests whose drafter is right `right` of the time, measured over 60
+    steps; a draft step costs 40% of a verify whatever its batch."""
+    draft = [StepCost(s, b, 0.004) for b in BATCHES for s in
+             [*(chain_shape(k) for k in AUTO_CHAIN_KS), *(tree_shape(*t) for t in AUTO_TREES)]]
+    verify = [StepCost(f"verify:{w}", b, 0.01) for w in VERIFY_WIDTHS for b in BATCHES]
+    auto = AutoController(verify, lambda: (draft, []), 64, hidden_states=True, replan_every=1)
+    reqs = [request(i) for i in range(13)]
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        auto.plan(reqs)
+        for r in reqs:
+            depth = r.settings.k if r.mode == Mode.CHAIN else r.settings.depth if r.mode == Mode.TREE else 0
+            r.draft_family = draft_family(r.settings, r.mode)
+            auto.observe_verdict(r, depth, next((i for i in range(depth) if rng.random() >= right), depth))
+        auto.observe_step(0.01 + 0.004 * any(r.mode != Mode.OFF for r in reqs))
+    return auto.policies[True]
+
+
+def test_speculation_pays_for_a_batch_that_drafts_where_a_lone_request_would_not():
+    """The counterfactual behind reopening: one request drafting beside 12 that cannot loses to
+    off; 13 that all draft at the drafter's acceptance (0.9) win; at 0.1 they do not."""
+    policy = measured_policy(0.9)
+    assert policy.pays_for_a_batch(13)
+    alone = policy.plan(["s0"], 12, 1, 12.0)
+    assert alone.choice.mode == Mode.OFF
+    assert not measured_policy(0.1).pays_for_a_batch(13)

@@ -39,6 +39,7 @@ class AutoController:
         self.steps_settled = 0                         # plans since the last scout while settled
         self.scout: ActiveRequest | None = None        # the request kept ready to draft for a probe
         self.scout_probed = False                      # its probe has run (its verdict comes before the next plan)
+        self.open_steps = 0                            # settled, but admitting unparked for this many plans (reopen)
         self.parked_running: list[ActiveRequest] = []  # parked mid-life, for take_parked()
         self.verifier_costs, self.drafter_profile = verifier_costs, drafter_profile
         self.verifier_accelerators = set(verifier_accelerators)
@@ -88,9 +89,10 @@ class AutoController:
         states. Probes still need a request that can draft: when the policy's probe interval has
         passed since the last one, the request admitted becomes the scout. It keeps its hidden
         states, the next plan probes it (one step drafting one token), and once that has run it is
-        parked too if auto is still settled on off. So scouting costs a few steps per probe, and a
-        turn in acceptance or load is still noticed."""
-        if not (self.hidden_states and self.settled_off()):
+        parked too if auto is still settled on off, unless its drafts would pay for a whole batch of
+        requests that can draft (see reopen). So scouting costs a few steps per probe, and a turn
+        in acceptance or load is still noticed."""
+        if not (self.hidden_states and self.settled_off()) or self.open_steps > 0:
             return
         if self.scout is None and self.steps_settled >= min(p.probe_interval for p in self._auto_policies()):
             self.scout, self.scout_probed, self.steps_settled = r, False, 0
@@ -108,12 +110,29 @@ class AutoController:
         batch size because load comes in waves: a wave of prompts arriving after a quiet spell in
         which speculation ran must not ship its rows (at C = 32, 8B-shaped fp8 rows: 25 MB in
         one step) where auto already found that off wins."""
-        if not self.hidden_states or self.settled_off():
+        if not self.hidden_states or (self.settled_off() and self.open_steps <= 0):
             return False
         known = self.choice_at.get(bucket(batch))
         if known is not None:
             return known == OFF
         return bool(self.plans) and all(c.plan.choice == OFF for c in self.plans.values())
+
+    def _after_probe(self, policy: AutoPolicy, batch: int) -> None:
+        """A plan after the scout's probe still chooses off. Parked requests cannot draft, so at a
+        batch of them that plan prices the scout speculating alone, beside them, which a high load
+        never repays: once settled there, auto stayed off for good (H100, 8B + EAGLE-3 head at
+        C = 32: 0.98x of off where chain k=4 ran at 1.08x). So the policy also prices the batch as
+        requests that all draft at the drafter's acceptance; if speculation would win that, auto
+        reopens: for a probe interval the requests admitted are not parked (their hidden states
+        held on the verifier while it runs off), so the batch turns into requests that can draft,
+        and a plan over them speculates once it pays. Else the scout is parked."""
+        if policy.pays_for_a_batch(batch):
+            self.open_steps = policy.probe_interval
+            self.scout.scout, self.scout = False, None
+            self.log.info("auto reopens admissions: speculation would pay for a batch that drafts",
+                          batch=batch, steps=self.open_steps)
+        else:
+            self._park([self.scout])
 
     def _auto_policies(self) -> list[AutoPolicy]:
         return [p for p in self.policies.values() if isinstance(p, AutoPolicy)]
@@ -147,6 +166,7 @@ class AutoController:
         self.step_tokens = self.step_requests = 0
         self._flush_verdicts()
         settled = self.hidden_states and self.settled_off()
+        self.open_steps = max(0, self.open_steps - 1) if settled else 0
         if settled:
             self.steps_settled += 1
             if not self.was_settled:   # the requests running since before settling, as admit() has it for later ones
@@ -187,7 +207,7 @@ class AutoController:
                 if choice != OFF and self.scout.seq_id in speculating:
                     self.scout_probed = True
                 elif self.scout_probed and choice == OFF and self.settled_off():
-                    self._park([self.scout])   # a plan after its probe's verdict still chooses off
+                    self._after_probe(policy, len(group) + others)
             if choice.name != self.last_choice.get(overlap_allowed):
                 self.last_choice[overlap_allowed] = choice.name
                 off = getattr(policy, "last_off", None)   # (the tests' cycling policy scores nothing)
@@ -225,7 +245,7 @@ class AutoController:
         joined_off = (cached is not None and cached.plan.choice == OFF and isinstance(policy, AutoPolicy)
                       and not policy.settled_off and any(i not in cached.known for i in ids))
         settled = (cached is not None and cached.plan.choice == OFF and isinstance(policy, AutoPolicy)
-                   and policy.settled_off)
+                   and policy.settled_off and self.open_steps <= 0)
         limit = self.replan_every * (SETTLED_REPLAN if settled else 1)
         scouting = self.scout is not None and not self.scout_probed   # its probe comes with a full plan
         if (cached is not None and cached.confirmed and cached.bucket == key and cached.age < limit

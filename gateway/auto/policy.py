@@ -239,6 +239,14 @@ class AutoPolicy:
             return current
         return best
 
+    def pays_for_a_batch(self, batch: int) -> bool:
+        """Whether a batch of `batch` new requests, all able to draft at the drafter's acceptance
+        (no running estimate of their own yet), would speculate rather than run off."""
+        scored = self._scored(self.choices, [""] * batch, 0, 1, 0.0, None)
+        off = next(p for p in scored if p.choice == OFF)
+        return any(p.tokens_per_second >= off.tokens_per_second * (1 + self.speculation_margin)
+                   for p in scored if p.choice != OFF)
+
     def probe_due(self) -> None:
         """The next full plan that chooses off probes (a scout was just admitted for it)."""
         self.steps_off = max(self.steps_off, self.probe_interval)
