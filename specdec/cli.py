@@ -47,8 +47,8 @@ def engine_config(args: argparse.Namespace) -> EngineServiceConfig:
     # The embedded pair's rows travel projected by the head's fc unless a flag says otherwise:
     # --no-projected-hidden-states (drafter), --aux-hidden-layers or --project-hidden-states (verifier).
     if role == "drafter" and cfg.eagle3_head is None and cfg.controlled is None:
-        projected = cfg.projected_hidden_states if args.projected_hidden_states is not None else True
-        return replace(cfg, eagle3_head=embedded_head_dir(), projected_hidden_states=projected)
+        return replace(cfg, eagle3_head=embedded_head_dir(),
+                       projected_hidden_states=args.projected_hidden_states is not False)
     if role == "verifier" and not cfg.aux_hidden_layers and cfg.project_hidden_states is None:
         return replace(cfg, project_hidden_states=embedded_head_dir())
     return cfg
