@@ -95,12 +95,13 @@ EXTRA_OFF, EXTRA_SPECULATING = 0.006, 0.018
 LENGTH, BATCH, ACCEPTANCE = 64, 32, 0.8
 
 
-def controller() -> AutoController:
+def controller(replan_every: int = 1) -> AutoController:
     """Profiles that see none of it: every verify 10 ms, drafts nearly free."""
     verify = [StepCost(f"verify:{w}", b, 0.01) for w in VERIFY_WIDTHS for b in BATCHES]
     shapes = [*(chain_shape(k) for k in AUTO_CHAIN_KS), *(tree_shape(*t) for t in AUTO_TREES)]
     draft = [StepCost(s, b, 0.0005) for b in BATCHES for s in shapes]
-    return AutoController(verify, lambda: (draft, ["gpu-1"]), 64, replan_every=1, verifier_accelerators=["gpu-0"])
+    return AutoController(verify, lambda: (draft, ["gpu-1"]), 64, replan_every=replan_every,
+                          verifier_accelerators=["gpu-0"])
 
 
 def new_request(i: int) -> ActiveRequest:
@@ -109,11 +110,14 @@ def new_request(i: int) -> ActiveRequest:
 
 
 def closed_loop(auto: AutoController, steps: int, fixed: Mode | None = None, k: int = 4,
-                lockstep: bool = False) -> float:
+                lockstep: bool = False, extras: tuple[float, float] = (EXTRA_OFF, EXTRA_SPECULATING),
+                token_draft: float = CHAIN_TOKEN_DRAFT) -> float:
     """BATCH clients, each sending a LENGTH-token request as soon as its last one ended; a step that
     admits costs its kind's extra. fixed: every step runs that mode (chain of k) instead of auto's
     plan; lockstep: the clients start together (mode off then keeps them in step: all their prompts
-    arrive in one step of LENGTH). -> tokens per second over the second half."""
+    arrive in one step of LENGTH); extras: what a step that admits costs more, off and
+    speculating; token_draft: a chain's draft cost per token. -> tokens per second over the
+    second half."""
     rng = np.random.default_rng(0)
     reqs = [new_request(i) for i in range(BATCH)]
     starts = [LENGTH] * BATCH if lockstep else rng.integers(1, LENGTH + 1, BATCH)
@@ -138,8 +142,8 @@ def closed_loop(auto: AutoController, steps: int, fixed: Mode | None = None, k: 
         modes = {r.mode for r in reqs}
         speculating = modes != {Mode.OFF}
         clean = (TREE_STEP if Mode.TREE in modes else
-                 OFF_STEP + CHAIN_TOKEN_DRAFT * max((r.settings.k for r in reqs if r.mode == Mode.CHAIN), default=0))
-        took = clean + (EXTRA_SPECULATING if speculating else EXTRA_OFF) * (opened_now > 0)
+                 OFF_STEP + token_draft * max((r.settings.k for r in reqs if r.mode == Mode.CHAIN), default=0))
+        took = clean + extras[speculating] * (opened_now > 0)
         auto.observe_step(took, prefilling=admitted > 0, admitted=opened_now)
         opened = 0
         for i, r in enumerate(reqs):
@@ -167,3 +171,15 @@ def test_auto_sees_what_the_steps_of_each_kind_really_take(lockstep):
     assert clean_chain > 1.05 * clean_off            # ... though clean steps alone say chain k=4
     got = closed_loop(controller(), 1500, lockstep=lockstep)
     assert got >= 0.95 * off
+
+
+def test_prompts_joining_every_few_steps_do_not_keep_auto_from_trying_speculation():
+    """Clients out of step at C = 32: a prompt joins every step or two. Each join is planned on a
+    step that prefills, among measured choices only; such a plan of off must not restart the
+    count to the next full plan (the gateway replans every 8 steps), or speculation is never tried
+    (it was not: off for good here, where chain k=4 runs at 1.16x of off)."""
+    cheap = dict(extras=(0.001, 0.001), token_draft=0.004)
+    off = closed_loop(controller(8), 1500, fixed=Mode.OFF, **cheap)
+    chain = closed_loop(controller(8), 1500, fixed=Mode.CHAIN, **cheap)
+    assert chain > 1.1 * off
+    assert closed_loop(controller(8), 1500, **cheap) >= 0.97 * chain

@@ -235,7 +235,11 @@ class AutoController:
         a plain step 1-3% (the H200 closed loop at a = 0, C = 1: 0.93x of off). A step that
         prefills keeps the cached plan only if its choice is measured at this batch size; else it
         plans among off and the measured choices (where prompts arrive every step, a choice is
-        then tried only once a step without a prefill has measured it)."""
+        then tried only once a step without a prefill has measured it); while auto has not settled,
+        such a plan of off is redone by the next step that does not prefill. (It was once kept for
+        `replan_every` steps: with clients out of step at C = 32 a prompt joins every step or two,
+        each join replanned without exploring and restarted the count, so auto never tried
+        speculation - off for good in a closed-loop simulation where chain k=4 ran at 1.16x of off.)"""
         ids = [r.seq_id for r in group]
         key = bucket(len(group) + others)
         cached = self.plans.get(overlap_allowed)
@@ -255,9 +259,10 @@ class AutoController:
             keep = set(plan.speculating) | ({i for i in ids if i not in known} if plan.choice != OFF else set())
             return dataclasses.replace(plan, speculating=[i for i in ids if i in keep])
         remaining = np.array([r.req.max_new_tokens - r.generated for r in group], dtype=np.float64)
-        if not explore:
+        if not explore:   # off while still learning: redone at the next step that can explore (below)
             plan = policy.plan(ids, others, other_width, other_tokens, explore=False, remaining=remaining)
-            self.plans[overlap_allowed] = CachedPlan(plan, key, 1, set(ids))
+            learning = plan.choice == OFF and not policy.settled_off
+            self.plans[overlap_allowed] = CachedPlan(plan, key, 1, set(ids), confirmed=not learning)
             return plan
         steps = cached.age if cached is not None else 1   # steps since the last plan
         plan = policy.plan(ids, others, other_width, other_tokens, remaining=remaining, steps=steps)
