@@ -70,12 +70,14 @@ def test_eagle3_hedged_pre_drafts_are_lossless(checkpoints, head, start_cluster,
     assert "hedge_predrafts=True" in (cluster.log_dir / "drafter.log").read_text()
 
 
-def test_eagle3_with_a_tensor_parallel_verifier(checkpoints, head, start_cluster):
-    """TP 2 (gloo): rank 0 captures the states of its full residual stream; the other rank runs
-    the same collectives without them."""
+@pytest.mark.parametrize("projected", [False, True], ids=["rows", "projected-rows"])
+def test_eagle3_with_a_tensor_parallel_verifier(checkpoints, head, start_cluster, projected):
+    """TP 2 (gloo): rank 0 captures the states of its full residual stream (and projects them by
+    the head's fc, as `specdec serve` has it); the other rank runs the same collectives without them."""
     target = checkpoints["llama-gqa"]
-    cluster = start_cluster(target, target, verifier_extra=["--aux-hidden-layers", "1,2,3", "--tp", "2"],
-                            drafter_extra=["--eagle3-head", str(head)])
+    rows = ["--project-hidden-states", str(head)] if projected else ["--aux-hidden-layers", "1,2,3"]
+    cluster = start_cluster(target, target, verifier_extra=[*rows, "--tp", "2"],
+                            drafter_extra=["--eagle3-head", str(head), *(["--projected-hidden-states"] * projected)])
     ids, final = cluster.generate(PROMPTS[2], 24, "chain", k=4)
     assert ids == hf_greedy(target, PROMPTS[2], 24) and final.stats.mode == "chain" and final.stats.drafted > 0
 
