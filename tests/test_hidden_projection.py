@@ -16,6 +16,7 @@ from drafter_svc.eagle3_engine import Eagle3DrafterEngine
 from drafter_svc.types import ChainShape, DraftItem, DrafterStep, TreeShape
 from specdec.errors import ErrorCode
 from specdec.model.eagle3 import load_eagle3
+from specdec.model.fp8_rows import dequantize_rows, quantize_rows
 from specdec.model.hidden_projection import load_projection
 from specdec.model.loader import load_model
 from specdec.model.runner import ModelRunner
@@ -55,8 +56,6 @@ def test_projected_verdicts_carry_the_heads_fc_of_the_rows(checkpoints, head, fp
         for w, g in zip(want.verdicts, got.verdicts):
             expected = w.hidden @ fc.T                                   # [rows, h]
             if fp8:
-                from specdec.model.fp8_rows import dequantize_rows, quantize_rows
-
                 assert g.hidden.dtype == torch.uint8
                 torch.testing.assert_close(dequantize_rows(g.hidden, torch.float64),
                                            dequantize_rows(quantize_rows(expected), torch.float64), rtol=0, atol=1e-6)

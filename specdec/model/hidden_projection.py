@@ -40,12 +40,12 @@ def load_projection(head_dir: str | Path, target: ModelSpec, dtype: torch.dtype,
                     device: torch.device) -> HiddenProjection:
     """Only the fc of the head in head_dir (published layout), checked against the target."""
     spec = Eagle3Spec.from_pretrained(head_dir, target)
-    weight = read_head_state(head_dir).get("fc.weight")
-    want = (spec.layer.hidden_size, len(spec.aux_layers) * spec.target_hidden_size)
-    if weight is None or tuple(weight.shape) != want:
-        raise ValueError(f"{head_dir}: an EAGLE-3 head's fc.weight of shape {list(want)} for this target, "
-                         f"got {None if weight is None else list(weight.shape)}")
     if spec.target_hidden_size != target.hidden_size:
         raise ValueError(f"{head_dir} reads target states {spec.target_hidden_size} wide; this target's are "
                          f"{target.hidden_size}")
+    weight = read_head_state(head_dir).get("fc.weight")
+    want = (spec.layer.hidden_size, len(spec.aux_layers) * target.hidden_size)
+    if weight is None or tuple(weight.shape) != want:
+        raise ValueError(f"{head_dir}: an EAGLE-3 head's fc.weight of shape {list(want)} for this target, "
+                         f"got {None if weight is None else list(weight.shape)}")
     return HiddenProjection(weight.to(device, dtype), spec.aux_layers, fc_fingerprint(weight))
