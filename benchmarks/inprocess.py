@@ -23,7 +23,7 @@ from benchmarks.models import EngineSettings, ModelPair
 from drafter_svc.controlled import ControlledAcceptanceDrafter
 from drafter_svc.types import ChainShape, DraftItem, DrafterStep, TreeShape
 from drafter_svc.warmup import warm_up as warm_up_drafter
-from specdec.model.cuda_graphs import DEFAULT_QUERY_LENS
+from specdec.model.cuda_graphs import verify_query_lens
 from specdec.model.loader import DTYPES, load_model
 from specdec.model.runner import ModelRunner
 from specdec.tree import DraftTree
@@ -50,8 +50,7 @@ def load_engines(pair: ModelPair, device: str, dtype: str, s: EngineSettings) ->
     drafter = ControlledAcceptanceDrafter(ModelRunner(load_model(pair.draft, dt, dev)), s.max_sequences,
                                           s.max_context)
     if s.cuda_graphs and dev.type == "cuda":
-        lens = tuple(n for n in DEFAULT_QUERY_LENS if n <= s.max_draft_tokens + 1)
-        verifier.runner.capture_cuda_graphs(s.max_sequences, lens)
+        verifier.runner.capture_cuda_graphs(s.max_sequences, verify_query_lens(s.max_draft_tokens))
         drafter.capture_cuda_graphs()  # catch-up feeds and whole greedy chains
     warm_up_verifier(verifier)
     warm_up_drafter(drafter)

@@ -22,8 +22,18 @@ from specdec.model.runner import ModelRunner
 
 # Chain lengths captured: k up to 6, plus the overlap pre-draft's extra token.
 DEFAULT_CHAIN_LENGTHS = (2, 3, 4, 5, 6, 7)
-# Tree shapes captured: the gateway's default (topk 4, depth 4, budget 16) and two neighbours.
-DEFAULT_TREE_SHAPES = (TreeShape(4, 4, 16), TreeShape(2, 4, 8), TreeShape(4, 5, 16))
+# Tree shapes captured: the gateway's default (topk 4, depth 4, budget 16) and two neighbours, and
+# two wide trees for low load, captured only for the batches whose nodes fit in what the default
+# tree takes at the largest batch (so they add no memory to the pool).
+DEFAULT_TREE_SHAPES = (TreeShape(4, 4, 16), TreeShape(2, 4, 8), TreeShape(4, 5, 16),
+                       TreeShape(8, 6, 32), TreeShape(8, 7, 64))
+_NARROW_BUDGET = 16
+
+
+def graph_fits(max_batch: int):
+    """(b, key) -> whether a graph of that batch bucket and chain length or tree shape is captured."""
+    top = max(batch_buckets(max_batch))
+    return lambda b, key: not isinstance(key, TreeShape) or b * key.budget <= top * _NARROW_BUDGET
 
 
 class _Captured:
@@ -39,13 +49,16 @@ class _Captured:
         self.outputs: tuple[torch.Tensor, ...] = ()
 
 
-def capture_loops(batch_sizes, keys, new, body, scratch_slot: int, device: torch.device, log=None) -> dict:
-    """One graph per (batch bucket, key), largest first so one shared memory pool fits them all:
-    new(b, key) -> the statics (with .graph and .slots), body(c) -> what the graph runs."""
+def capture_loops(batch_sizes, keys, new, body, scratch_slot: int, device: torch.device, log=None,
+                  fits=lambda b, key: True) -> dict:
+    """One graph per (batch bucket, key) that `fits`, largest first so one shared memory pool fits
+    them all: new(b, key) -> the statics (with .graph and .slots), body(c) -> what the graph runs."""
     t0 = time.perf_counter()
     captured, pool = {}, None
     for b in reversed(batch_sizes):
         for key in reversed(keys):
+            if not fits(b, key):
+                continue
             c = new(b, key)
             body(c)  # eager once: compiles, warms the allocator
             torch.cuda.synchronize(device)
@@ -74,7 +87,7 @@ class DraftGraphs:
 
     def capture(self, log=None) -> None:
         self.captured = capture_loops(self.batch_sizes, self.keys, self._new, self._body, self.scratch_slot,
-                                      self.runner.device, log)
+                                      self.runner.device, log, graph_fits(max(self.batch_sizes)))
 
     def _new(self, b: int, key) -> _Captured:
         logits_dtype = torch.promote_types(self.runner.dtype, torch.float32)  # what the model returns

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from drafter_svc.draft_graphs import DEFAULT_TREE_SHAPES, capture_loops
+from drafter_svc.draft_graphs import DEFAULT_TREE_SHAPES, capture_loops, graph_fits
 from drafter_svc.eagle3_engine import (
     CATCH_UP_PAIRS,
     Eagle3DrafterEngine,
@@ -96,7 +96,8 @@ class Eagle3Graphs:
         self.pairs_captured = capture_loops(self.batch_sizes, REAL_PAIRS, lambda b, n: _CapturedPairs(n, b, self.engine),
                                             self._pairs_body, self.scratch_slot, self.engine.device, log)
         self.captured = capture_loops(self.batch_sizes, self.keys, lambda b, key: _Captured(key, b, self.engine),
-                                      self._body, self.scratch_slot, self.engine.device, log)
+                                      self._body, self.scratch_slot, self.engine.device, log,
+                                      graph_fits(max(self.batch_sizes)))
         if self.engine.hedge_predrafts:
             self.hedges_captured = capture_loops(self.hedge_sizes, HEDGE_STEPS,
                                                  lambda r, steps: _CapturedHedges(steps, r, self.engine),

@@ -12,7 +12,7 @@ from specdec.config import EngineServiceConfig
 from specdec.cpu_threads import engine_executor, rank_threads, use_threads
 from specdec.log import configure_logging
 from specdec.metrics import start_metrics
-from specdec.model.cuda_graphs import DEFAULT_QUERY_LENS
+from specdec.model.cuda_graphs import verify_query_lens
 from specdec.model.loader import DTYPES
 from specdec.model.parallel import TPLayout
 from specdec.model.spec import ModelSpec
@@ -123,7 +123,7 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
                 if cfg.role == "drafter":  # catch-up feeds, whole greedy chains and trees
                     await loop.run_in_executor(executor, engine.capture_cuda_graphs, log)
                 else:  # chains and trees of up to max_draft_tokens nodes plus the root
-                    lens = tuple(n for n in DEFAULT_QUERY_LENS if n <= cfg.max_draft_tokens + 1)
+                    lens = verify_query_lens(cfg.max_draft_tokens)
                     await loop.run_in_executor(executor, runner.capture_cuda_graphs, engine.graph_rows, lens, log)
             log.info("warming up")
             await loop.run_in_executor(executor, warm_up, engine)

@@ -12,7 +12,7 @@ import random
 import torch
 
 from specdec.model.batch import ForwardBatch, causal_region
-from specdec.model.cuda_graphs import GraphedForward, _Graph
+from specdec.model.cuda_graphs import GraphedForward, _Graph, verify_query_lens, wide_step_tokens
 from specdec.model.loader import load_model
 from specdec.model.runner import ModelRunner
 from specdec.tree import DraftTree
@@ -32,18 +32,20 @@ class EagerGraphs(GraphedForward):
         self._write_logits(g)
 
 
-def engines(path, device: str = "cpu", dtype=torch.float64, graphs=EagerGraphs,
-            prefill_chunk: int = 0) -> tuple[VerifierEngine, VerifierEngine]:
+def engines(path, device: str = "cpu", dtype=torch.float64, graphs=EagerGraphs, prefill_chunk: int = 0,
+            query_lens=(1, 2, 5, 9), max_draft: int = DRAFT,
+            max_tokens: int | None = None) -> tuple[VerifierEngine, VerifierEngine]:
     """Two verifiers of one checkpoint: eager, and graphed with batch buckets 1, 2, 4, 6 and
-    query lengths 1, 2, 5, 9; prompt chunks in buckets of 1, 2, 4 rows of 4, 8, 16 tokens, at
-    most 32 tokens a graph."""
+    query lengths 1, 2, 5, 9 (pairs of at most max_tokens tokens); prompt chunks in buckets of
+    1, 2, 4 rows of 4, 8, 16 tokens, at most 32 tokens a graph."""
     out = []
     for graphed in (False, True):
         runner = ModelRunner(load_model(path, dtype, torch.device(device)))
-        engine = VerifierEngine(runner, SLOTS, CONTEXT, DRAFT, prefill_chunk=prefill_chunk)
+        engine = VerifierEngine(runner, SLOTS, CONTEXT, max_draft, prefill_chunk=prefill_chunk)
         if graphed:
             common = (runner._model_forward, runner.spec.vocab_size, SLOTS, runner.cache.slot_len, runner.device)
-            runner.graphs = graphs(*common, (1, 2, 4, SLOTS), (1, 2, 5, 9), torch.promote_types(dtype, torch.float32))
+            runner.graphs = graphs(*common, (1, 2, 4, SLOTS), query_lens, torch.promote_types(dtype, torch.float32),
+                                   max_tokens=max_tokens)
             runner.graphs.capture()
             runner.prefill_graphs = graphs(*common, (1, 2, 4), (4, 8, 16), torch.promote_types(dtype, torch.float32),
                                            last_logit=True, max_tokens=32)
@@ -98,6 +100,45 @@ def check_padded_steps(eager: VerifierEngine, graphed: VerifierEngine, tol: floa
     free = [s for s in range(SLOTS) if s not in {graphed.table.get(sid).slot for sid in ids}]
     assert not graphed.runner.cache.k[:, free].any()  # padding rows write only to the scratch slot
     assert graphed.runner.cache.k[:, SLOTS].any()
+
+
+def test_wide_trees_replay_where_their_tokens_fit(checkpoints):
+    check_wide_trees(*wide_engines(checkpoints["llama-gqa"], "cpu", torch.float64, EagerGraphs), tol=1e-12)
+
+
+def wide_engines(path, device: str, dtype: torch.dtype, graphs) -> tuple[VerifierEngine, VerifierEngine]:
+    """The verifiers' graph lengths for drafts of up to 64 nodes, capped as the services cap them."""
+    return engines(path, device, dtype, graphs, query_lens=verify_query_lens(64), max_draft=64,
+                   max_tokens=wide_step_tokens(SLOTS))
+
+
+def check_wide_trees(eager: VerifierEngine, graphed: VerifierEngine, tol: float) -> None:
+    """Trees of 17..64 nodes: one or two sequences replay the 33- and 65-token graphs (within
+    6 rows x 17 tokens), three run eagerly; verdicts and KV equal the eager engine's."""
+    graphs = graphed.runner.graphs
+    assert {(1, 65), (2, 33)} <= graphs.graphs.keys() and not {(2, 65), (4, 33)} & graphs.graphs.keys()
+    assert graphs.logits.numel() == SLOTS * 17 * eager.spec.vocab_size   # no larger than without wide trees
+    vocab, rng = eager.spec.vocab_size, random.Random(9)
+    replayed = count_replays(graphs)
+    ids = ["w0", "w1", "w2"]
+    opens = [OpenSequence(sid, [rng.randrange(vocab) for _ in range(5)]) for sid in ids]
+    assert eager.step(VerifierStep(0, open=opens)) == graphed.step(VerifierStep(0, open=opens))
+    # nodes per sequence each step: 65 and 33 query tokens (one row), 33 (two), 41 (three: eager), ...
+    plan = ({"w0": 64}, {"w0": 30, "w1": 32}, {"w0": 20, "w1": 25, "w2": 40}, {"w1": 17}, {"w2": 48})
+    for step, sizes in enumerate(plan, start=1):
+        items = []
+        for sid, size in sizes.items():
+            tokens = [rng.randrange(vocab) for _ in range(size)]
+            items.append(VerifyItem(sid, len(eager.table.get(sid).tokens),
+                                    DraftTree(tokens, [rng.randrange(i) for i in range(1, size + 1)])))
+        want, got = eager.step(VerifierStep(step, verify=items)), graphed.step(VerifierStep(step, verify=items))
+        assert not want.errors and got == want, f"step {step}"
+    assert [r is None for r in replayed] == [False, False, True, False, False]
+    for sid in ids:
+        e, g = eager.table.get(sid), graphed.table.get(sid)
+        n = len(e.tokens) - 1
+        torch.testing.assert_close(graphed.runner.cache.k[:, g.slot, :n], eager.runner.cache.k[:, e.slot, :n],
+                                   rtol=tol, atol=tol)
 
 
 def test_padded_prefill_changes_nothing(checkpoints):

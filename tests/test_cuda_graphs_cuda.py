@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from test_draft_graphs import check_drafts, drafter
-from test_cuda_graphs import check_logits, check_padded_prefill, check_padded_steps, engines
+from test_cuda_graphs import check_logits, check_padded_prefill, check_padded_steps, check_wide_trees, engines, \
+    wide_engines
 
 from specdec.model.cuda_graphs import GraphedForward
 
@@ -19,6 +20,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def test_replayed_steps_equal_eager_steps(checkpoints):
     check_padded_steps(*engines(checkpoints["llama-gqa"], "cuda", torch.float32, GraphedForward), tol=1e-5)
+
+
+def test_replayed_wide_trees_equal_eager_ones(checkpoints):
+    check_wide_trees(*wide_engines(checkpoints["llama-gqa"], "cuda", torch.float32, GraphedForward), tol=1e-5)
 
 
 def test_replayed_prefills_equal_eager_prefills(checkpoints):

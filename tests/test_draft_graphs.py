@@ -12,7 +12,7 @@ import random
 
 import torch
 
-from drafter_svc.draft_graphs import DraftGraphs, _Captured
+from drafter_svc.draft_graphs import DraftGraphs, _Captured, graph_fits
 from drafter_svc.engine import DrafterEngine
 from drafter_svc.types import ChainShape, DraftItem, DrafterStep, TreeShape
 from specdec.model.loader import load_model
@@ -92,3 +92,12 @@ def check_drafts(eager: DrafterEngine, graphed: DrafterEngine, tol: float) -> No
             eager.close([sid]), graphed.close([sid])
             del contexts[sid], sent[sid]
     assert replays > 20
+
+
+def test_wide_trees_are_captured_only_where_their_nodes_fit():
+    """Wide trees get graphs for the batches whose nodes fit in the default tree's at the largest
+    bucket (64 x 16): no larger memory pool; chains at every bucket."""
+    fits = graph_fits(64)
+    assert fits(64, TreeShape(4, 4, 16)) and fits(32, TreeShape(8, 6, 32)) and fits(16, TreeShape(8, 7, 64))
+    assert not fits(48, TreeShape(8, 6, 32)) and not fits(32, TreeShape(8, 7, 64))
+    assert fits(64, 7) and graph_fits(6)(1, TreeShape(8, 7, 64)) and not graph_fits(6)(2, TreeShape(8, 7, 64))

@@ -170,7 +170,7 @@ def graphed(eng: Eagle3DrafterEngine, device: str) -> Eagle3DrafterEngine:
         eng.capture_cuda_graphs()
         assert eng.graphs.hedges_captured or not eng.hedge_predrafts
         return eng
-    eng.graphs = g = Eagle3Graphs(eng, 3, chain_steps=(2, 4, 5, 6), tree_shapes=(TreeShape(2, 3, 5),))
+    eng.graphs = g = Eagle3Graphs(eng, 3, chain_steps=(2, 4, 5, 6), tree_shapes=GRAPHED_TREES)
     for b in g.batch_sizes:
         for key in g.keys:
             c = g.captured[(b, key)] = _Captured(key, b, eng)
@@ -185,16 +185,21 @@ def graphed(eng: Eagle3DrafterEngine, device: str) -> Eagle3DrafterEngine:
     return eng
 
 
+# a default tree and a wide one (on the GPU captured for up to 4 rows of a drafter of 8 slots)
+GRAPHED_TREES = (TreeShape(4, 4, 16), TreeShape(8, 6, 32))
+
+
 def check_graphed_equals_eager(target, head_dir, device: str, dtype=torch.float64, tol=1e-9,
                                projected: bool = False) -> None:
-    """Three sequences (a padded bucket of 4), chains with and without assumed tokens and trees:
-    the replayed loops draft the eager engine's tokens, and hedges drafted from the replayed chains'
-    alternatives equal those from eager ones. projected: rows arrive projected by the head's fc."""
+    """Three sequences (a padded bucket of 4), chains with and without assumed tokens and trees
+    (a default and a wide one): the replayed loops draft the eager engine's tokens, and hedges
+    drafted from the replayed chains' alternatives equal those from eager ones. projected: rows
+    arrive projected by the head's fc."""
     from specdec.model.hidden_projection import load_projection
 
     def make():
         head = load_eagle3(head_dir, target.spec, dtype, torch.device(device), projected)
-        return Eagle3DrafterEngine(head, target.model.embed_tokens.weight.to(device, dtype), 3, 128,
+        return Eagle3DrafterEngine(head, target.model.embed_tokens.weight.to(device, dtype), 8, 128,
                                    hedge_predrafts=True)
 
     project = load_projection(head_dir, target.spec, dtype, torch.device(device)) if projected else lambda x: x
@@ -209,7 +214,7 @@ def check_graphed_equals_eager(target, head_dir, device: str, dtype=torch.float6
         items = []
         for sid, ctx in contexts.items():
             states = project(target_states(target, eager.head.spec.aux_layers, ctx).to(device, dtype))
-            shape = TreeShape(2, 3, 5) if tree else ChainShape(rng.choice([2, 4]))
+            shape = GRAPHED_TREES[step // 3 - 1] if tree else ChainShape(rng.choice([2, 4]))
             assumed = [] if tree else [rng.randrange(380) for _ in range(rng.choice([0, 2]))]
             items.append(DraftItem(sid, len(ctx), ctx[sent[sid]:], assumed, shape,
                                    hidden=states[max(0, sent[sid] - 1):]))
@@ -227,6 +232,8 @@ def check_graphed_equals_eager(target, head_dir, device: str, dtype=torch.float6
         for sid, d in zip(contexts, want.drafts):
             contexts[sid] += d.tree.token_ids[:1] + [rng.randrange(380)]
     assert hedged > 0
+    bucket = fast.graphs._bucket(len(contexts))
+    assert all((bucket, shape) in fast.graphs.captured for shape in GRAPHED_TREES)   # the trees were replayed
 
 
 @pytest.mark.parametrize("projected", [False, True], ids=["rows", "projected-rows"])
@@ -246,7 +253,7 @@ def test_fp8_rows_draft_as_their_unpacked_values(checkpoints, tmp_path, replayed
     contexts = {"a": [3, 14, 15, 92, 65], "b": [35, 89, 79, 32, 38, 46, 26]}
     sent = dict.fromkeys(contexts, 0)
     for step in range(1, 6):
-        shape = TreeShape(2, 3, 5) if step % 3 == 0 else ChainShape(4)
+        shape = GRAPHED_TREES[0] if step % 3 == 0 else ChainShape(4)
         packed, plain = [], []
         for sid, ctx in contexts.items():
             rows = quantize_rows(target_states(target, aux, ctx)[max(0, sent[sid] - 1):])

@@ -31,6 +31,16 @@ import torch
 from specdec.model.batch import ForwardBatch
 
 DEFAULT_QUERY_LENS = (1, 2, 3, 5, 9, 17)
+# Wide trees' verify steps (budgets 32 and 64 plus the root): captured only for the batches whose
+# tokens fit in what the widest default length takes at the largest batch (`wide_step_tokens`), so
+# the logits buffer and the memory pool do not grow. They pay at low load, where a step is bound
+# by launches rather than by the tokens it carries.
+WIDE_QUERY_LENS = (33, 65)
+
+
+def verify_query_lens(max_draft_tokens: int) -> tuple[int, ...]:
+    """The verify graphs' query lengths: chains and trees of up to max_draft_tokens plus the root."""
+    return tuple(n for n in DEFAULT_QUERY_LENS + WIDE_QUERY_LENS if n <= max_draft_tokens + 1)
 # Prompt chunks: on a GPU a forward of up to a few hundred tokens costs about what one token does
 # (weights dominate), so padding to the next length wastes little; the graph saves the eager
 # forward's launches (~15 ms for an 8B model), paid by every step that admits a prompt.
@@ -42,6 +52,11 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     """1, 2, 4, 8, then steps of 16, and max_batch itself: a batch pads by at most 15 rows."""
     sizes = {b for b in (1, 2, 4, 8, *range(16, max_batch, 16)) if b < max_batch}
     return tuple(sorted(sizes | {max_batch}))
+
+
+def wide_step_tokens(max_batch: int) -> int:
+    """Tokens a captured verify or tree-draft step may hold: the widest default step at max_batch."""
+    return max(batch_buckets(max_batch)) * max(DEFAULT_QUERY_LENS)
 
 
 def prefill_buckets(max_batch: int) -> tuple[int, ...]:

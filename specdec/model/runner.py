@@ -19,6 +19,7 @@ from specdec.model.cuda_graphs import (
     GraphedForward,
     batch_buckets,
     prefill_buckets,
+    wide_step_tokens,
 )
 from specdec.model.kv_cache import KVCache
 from specdec.model.llama import LlamaForCausalLM
@@ -43,14 +44,15 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_batch: int, query_lens: tuple[int, ...], log=None) -> None:
         """Capture the repeating forwards (see cuda_graphs.py), CUDA only: steps of every batch
-        bucket and query length, and prompt chunks (PREFILL_QUERY_LENS). Under tensor parallelism
+        bucket and query length (wide ones only up to wide_step_tokens), and prompt chunks (PREFILL_QUERY_LENS). Under tensor parallelism
         every rank captures the same shapes in the same order (their collectives are captured with
         them) and replays the same graph for each forward command, so the collectives stay paired."""
         aux_width = len(self.aux_layers) * self.spec.hidden_size
         logits_dtype = torch.promote_types(self.dtype, torch.float32)
         scratch, slot_len = self.cache.num_slots - 1, self.cache.slot_len
         self.graphs = GraphedForward(self._model_forward, self.spec.vocab_size, scratch, slot_len, self.device,
-                                     batch_buckets(max_batch), query_lens, logits_dtype, aux_width, self.dtype)
+                                     batch_buckets(max_batch), query_lens, logits_dtype, aux_width, self.dtype,
+                                     max_tokens=wide_step_tokens(max_batch))
         self.graphs.capture(log)
         self.prefill_graphs = GraphedForward(self._model_forward, self.spec.vocab_size, scratch, slot_len,
                                              self.device, prefill_buckets(max_batch), PREFILL_QUERY_LENS,
