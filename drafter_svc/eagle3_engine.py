@@ -249,9 +249,7 @@ def real_pairs_forward(head: Eagle3Head, embed: torch.Tensor, cache: KVCache, to
     n = tokens.shape[1]
     pos = (start[:, None] + torch.arange(n, device=tokens.device)).clamp(max=slot_len - 1)
     batch = ForwardBatch(tokens, pos, slots, pos, start, causal_region(lengths, n), kv_len)
-    logits, out = head(batch, cache, embed[tokens], hidden, from_target=True)
-    last = torch.arange(tokens.shape[0], device=tokens.device), lengths - 1
-    return logits[last], out[last]
+    return head(batch, cache, embed[tokens], hidden, from_target=True, last=lengths - 1)
 
 
 def greedy_chain(head: Eagle3Head, embed: torch.Tensor, cache: KVCache, logits: torch.Tensor, out: torch.Tensor,

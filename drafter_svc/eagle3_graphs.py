@@ -2,7 +2,9 @@
 greedy chain or tree.
 
 The real pairs (the tokens a verdict committed, with the target's hidden states) are captured per
-(batch bucket, pairs per sequence up to 8); a step with more (a prompt) runs them eagerly. The
+(batch bucket, pairs per sequence up to 8), and prompts' feeds per (batch bucket, padded length
+PROMPT_PAIRS) up to PREFILL_MAX_TOKENS pairs a graph (longer ones run eagerly); feeds are padded
+to the next captured length, and all these graphs read the states from one shared buffer. The
 draft loops are as drafter_svc/draft_graphs.py has them for draft models, with the head's extra
 static inputs: the hidden output after the last committed token (each drafted
 position feeds the head's own output) and, for chains, overlap's forced (assumed) tokens: one
@@ -28,11 +30,14 @@ from drafter_svc.eagle3_engine import (
 )
 from drafter_svc.types import TreeShape
 from specdec.model.batch import PackedStatics
-from specdec.model.cuda_graphs import batch_buckets
+from specdec.model.cuda_graphs import PREFILL_MAX_TOKENS, batch_buckets
 
 # Chain steps = assumed tokens + k: chains of up to 6 drafts, after up to 7 assumed ones.
 DEFAULT_CHAIN_STEPS = tuple(range(1, 14))
 REAL_PAIRS = tuple(range(1, CATCH_UP_PAIRS + 1))
+# Prompts' feeds (a head forward costs little more for a few hundred pairs than for one: the
+# graph saves its launches, paid by every step that admits a prompt).
+PROMPT_PAIRS = (16, 32, 64, 128, 256, 512)
 # Hedges: drafts of k <= 4 after their guesses, up to 4 hedges a sequence (pre-drafts after chains
 # of k <= 4); their masks span 128 positions (a chain of k = 4 needs 25).
 HEDGE_STEPS = (1, 2, 3, 4)
@@ -56,14 +61,14 @@ class _Captured:
 
 
 class _CapturedPairs:
-    def __init__(self, n: int, b: int, engine: Eagle3DrafterEngine) -> None:
+    def __init__(self, n: int, b: int, engine: Eagle3DrafterEngine, hidden: torch.Tensor) -> None:
         self.key = n
         self.graph: torch.cuda.CUDAGraph | None = None
         scratch = engine.cache.num_slots - 1
         # tokens [b, n], first head position, real pairs (>= 1), slots
         self.ints = PackedStatics([((b, n), 0), ((b,), 0), ((b,), 1), ((b,), scratch)], engine.device)
         self.tokens, self.start, self.lengths, self.slots = self.ints.views
-        self.hidden = torch.zeros(b, n, engine.aux_width, dtype=engine.dtype, device=engine.device)
+        self.hidden = hidden[: b * n * engine.aux_width].view(b, n, engine.aux_width)   # of the shared buffer
         self.outputs: tuple[torch.Tensor, ...] = ()
 
 
@@ -89,12 +94,19 @@ class Eagle3Graphs:
         self.scratch_slot = engine.cache.num_slots - 1
         self.captured: dict[tuple[int, object], _Captured] = {}
         self.pairs_captured: dict[tuple[int, int], _CapturedPairs] = {}
+        self.pair_lens = REAL_PAIRS + PROMPT_PAIRS
+        self.pairs_fit = lambda b, n: n in REAL_PAIRS or b * n <= PREFILL_MAX_TOKENS
+        most = max(b * n for b in self.batch_sizes for n in self.pair_lens if self.pairs_fit(b, n))
+        # the states every pairs graph reads: [b, n, aux] views of one buffer, filled before each replay
+        self.pairs_hidden = torch.zeros(most * engine.aux_width, dtype=engine.dtype, device=engine.device)
         self.hedge_sizes = batch_buckets(HEDGES_PER_SEQUENCE * max_batch)
         self.hedges_captured: dict[tuple[int, int], _CapturedHedges] = {}
 
     def capture(self, log=None) -> None:
-        self.pairs_captured = capture_loops(self.batch_sizes, REAL_PAIRS, lambda b, n: _CapturedPairs(n, b, self.engine),
-                                            self._pairs_body, self.scratch_slot, self.engine.device, log)
+        self.pairs_captured = capture_loops(self.batch_sizes, self.pair_lens,
+                                            lambda b, n: _CapturedPairs(n, b, self.engine, self.pairs_hidden),
+                                            self._pairs_body, self.scratch_slot, self.engine.device, log,
+                                            self.pairs_fit)
         self.captured = capture_loops(self.batch_sizes, self.keys, lambda b, key: _Captured(key, b, self.engine),
                                       self._body, self.scratch_slot, self.engine.device, log,
                                       graph_fits(max(self.batch_sizes)))
@@ -133,11 +145,14 @@ class Eagle3Graphs:
         -> real_pairs_forward's outputs, or None when no graph fits (run eagerly)."""
         b, n = tokens.shape
         gb = self._bucket(b)
-        c = self.pairs_captured.get((gb, n))
-        if c is None:
+        gn = next((x for x in self.pair_lens if x >= n and (gb, x) in self.pairs_captured), None)
+        if gn is None:
             return None
-        c.ints.load([tokens, start, lengths, slots])   # padding rows: the capture's values
-        c.hidden[:b].copy_(hidden, non_blocking=True)   # padding rows keep old states: they see only themselves
+        c = self.pairs_captured[(gb, gn)]
+        # padding rows: the capture's values; padded pairs of real rows lie past their lengths and
+        # write KV past their real pairs, where the next real pairs or drafts overwrite it
+        c.ints.load([torch.nn.functional.pad(tokens, (0, gn - n)), start, lengths, slots])
+        c.hidden[:b, :n].copy_(hidden, non_blocking=True)   # padding keeps old states: nothing real sees them
         c.graph.replay()
         return tuple(out[:b] for out in c.outputs)
 

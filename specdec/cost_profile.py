@@ -21,7 +21,7 @@ if TYPE_CHECKING:   # (the gateway reads the shapes and StepCost; only the engin
 # Shapes `--mode auto` chooses from (gateway/auto/policy.py); the drafter profiles these.
 # The trees are the drafters' captured default shapes (drafter_svc/draft_graphs.py).
 AUTO_CHAIN_KS = (1, 2, 3, 4, 6, 8)
-AUTO_TREES = ((2, 4, 8), (4, 4, 16), (4, 5, 16))   # (topk, depth, budget)
+AUTO_TREES = ((2, 4, 8), (4, 4, 16), (4, 5, 16), (8, 6, 32), (8, 7, 64))   # (topk, depth, budget)
 VERIFY_WIDTHS = tuple(sorted({1, *(k + 1 for k in AUTO_CHAIN_KS), *(b + 1 for _, _, b in AUTO_TREES)}))
 
 

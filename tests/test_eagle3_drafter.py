@@ -158,13 +158,15 @@ class _EagerReplay:
 
     def __init__(self, body, c) -> None:
         self.body, self.c = body, c
+        self.replays = 0
 
     def replay(self) -> None:
+        self.replays += 1
         self.body(self.c)
 
 
 def graphed(eng: Eagle3DrafterEngine, device: str) -> Eagle3DrafterEngine:
-    from drafter_svc.eagle3_graphs import HEDGE_STEPS, REAL_PAIRS, Eagle3Graphs, _Captured, _CapturedHedges, _CapturedPairs
+    from drafter_svc.eagle3_graphs import HEDGE_STEPS, Eagle3Graphs, _Captured, _CapturedHedges, _CapturedPairs
 
     if device == "cuda":
         eng.capture_cuda_graphs()
@@ -175,9 +177,10 @@ def graphed(eng: Eagle3DrafterEngine, device: str) -> Eagle3DrafterEngine:
         for key in g.keys:
             c = g.captured[(b, key)] = _Captured(key, b, eng)
             c.graph = _EagerReplay(g._body, c)
-        for n in REAL_PAIRS:
-            c = g.pairs_captured[(b, n)] = _CapturedPairs(n, b, eng)
-            c.graph = _EagerReplay(g._pairs_body, c)
+        for n in g.pair_lens:
+            if g.pairs_fit(b, n):
+                c = g.pairs_captured[(b, n)] = _CapturedPairs(n, b, eng, g.pairs_hidden)
+                c.graph = _EagerReplay(g._pairs_body, c)
     for r in g.hedge_sizes:
         for steps in HEDGE_STEPS:
             c = g.hedges_captured[(r, steps)] = _CapturedHedges(steps, r, eng)
@@ -191,10 +194,10 @@ GRAPHED_TREES = (TreeShape(4, 4, 16), TreeShape(8, 6, 32))
 
 def check_graphed_equals_eager(target, head_dir, device: str, dtype=torch.float64, tol=1e-9,
                                projected: bool = False) -> None:
-    """Three sequences (a padded bucket of 4), chains with and without assumed tokens and trees
-    (a default and a wide one): the replayed loops draft the eager engine's tokens, and hedges
-    drafted from the replayed chains' alternatives equal those from eager ones. projected: rows
-    arrive projected by the head's fc."""
+    """Three sequences (a padded bucket of 4), one with a prompt of 20 tokens (its feed padded to
+    32 pairs), chains with and without assumed tokens and trees (a default and a wide one): the
+    replayed loops draft the eager engine's tokens, and hedges drafted from the replayed chains'
+    alternatives equal those from eager ones. projected: rows arrive projected by the head's fc."""
     from specdec.model.hidden_projection import load_projection
 
     def make():
@@ -205,7 +208,7 @@ def check_graphed_equals_eager(target, head_dir, device: str, dtype=torch.float6
     project = load_projection(head_dir, target.spec, dtype, torch.device(device)) if projected else lambda x: x
 
     eager, fast = make(), graphed(make(), device)
-    contexts = {"a": [3, 14, 15, 92, 65], "b": [35, 89, 79, 32, 38, 46, 26], "c": [43, 38]}
+    contexts = {"a": [3, 14, 15, 92, 65] * 4, "b": [35, 89, 79, 32, 38, 46, 26], "c": [43, 38]}
     sent = dict.fromkeys(contexts, 0)
     rng = random.Random(7)
     hedged = 0
@@ -234,6 +237,8 @@ def check_graphed_equals_eager(target, head_dir, device: str, dtype=torch.float6
     assert hedged > 0
     bucket = fast.graphs._bucket(len(contexts))
     assert all((bucket, shape) in fast.graphs.captured for shape in GRAPHED_TREES)   # the trees were replayed
+    if device == "cpu":   # and the prompt's feed (alone in its group: bucket 1)
+        assert fast.graphs.pairs_captured[(1, 32)].graph.replays == 1
 
 
 @pytest.mark.parametrize("projected", [False, True], ids=["rows", "projected-rows"])

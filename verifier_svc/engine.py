@@ -180,7 +180,8 @@ class VerifierEngine:
         wants = lambda e: any(s.seq_id in self.hidden_wanted for s in (e.state, *e.followers))  # noqa: E731
         if aux is not None and any(wants(c.entry) for c in chunks):
             for c, rows in zip(chunks, aux):
-                c.entry.hidden.append(self._wire(rows[:c.end - c.start]).cpu())
+                # read once the step's read-back below (same stream) has waited for the copy
+                c.entry.hidden.append(self._wire(rows[:c.end - c.start]).to("cpu", non_blocking=True))
         done = [(i, c.entry) for i, c in enumerate(chunks) if c.completes]
         if not done:
             return []

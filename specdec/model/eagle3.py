@@ -101,10 +101,12 @@ class Eagle3Head(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache, embeds: torch.Tensor, hidden: torch.Tensor,
-                from_target: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                from_target: bool, last: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """embeds [B, n, h] (the target's embeddings of batch.tokens); hidden: from_target, the
         captured target states [B, n, 3 x target h] (projected by fc), else the head's own previous
-        outputs [B, n, h] -> (draft-vocabulary logits [B, n, Vd] in fp32 or wider, hidden out [B, n, h])."""
+        outputs [B, n, h] -> (draft-vocabulary logits [B, n, Vd] in fp32 or wider, hidden out [B, n, h]);
+        with last [B] (a position per row), only there: ([B, Vd], [B, h]) (a feed of real pairs
+        needs the KV of every position but the outputs of its last only)."""
         if from_target:
             hidden = self.fc(hidden)
         layer = self.midlayer
@@ -113,7 +115,9 @@ class Eagle3Head(nn.Module):
         x = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)          # [B, n, 2h]
         cos, sin = self.rotary(batch.positions, x.dtype)
         mask = None if use_triton(x) else batch.attention_mask()  # the Triton kernel masks on the fly
-        h = residual + layer.self_attn(x, cos, sin, batch, mask, cache)
+        h = residual + layer.self_attn(x, cos, sin, batch, mask, cache)   # (every position's KV written)
+        if last is not None:
+            h = h[torch.arange(h.shape[0], device=h.device), last]
         out = h + layer.mlp(layer.post_attention_layernorm(h))
         logits = self.lm_head(self.norm(out))
         return logits.to(torch.promote_types(logits.dtype, torch.float32)), out
