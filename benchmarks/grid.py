@@ -58,6 +58,7 @@ CONFIGS = {c.name: c for c in [
       for k in (2, 4, 6) for ov in (True, False)),
     SpecConfig("tree topk=2", "tree", topk=2, depth=4, budget=8),
     SpecConfig("tree topk=4", "tree", topk=4, depth=5, budget=16),
+    SpecConfig("tree topk=8 depth=7 budget=64", "tree", topk=8, depth=7, budget=64),   # the widest graphed tree
     SpecConfig("auto", "auto"),
 ]}
 CONCURRENCY = (1, 4, 16, 32, 64)
