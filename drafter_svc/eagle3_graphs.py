@@ -95,7 +95,8 @@ class Eagle3Graphs:
         self.captured: dict[tuple[int, object], _Captured] = {}
         self.pairs_captured: dict[tuple[int, int], _CapturedPairs] = {}
         self.pair_lens = REAL_PAIRS + PROMPT_PAIRS
-        self.pairs_fit = lambda b, n: n in REAL_PAIRS or b * n <= PREFILL_MAX_TOKENS
+        # (the attention reads a feed's keys up to its start + padded length: within the slot)
+        self.pairs_fit = lambda b, n: n <= engine.slot_len and (n in REAL_PAIRS or b * n <= PREFILL_MAX_TOKENS)
         most = max(b * n for b in self.batch_sizes for n in self.pair_lens if self.pairs_fit(b, n))
         # the states every pairs graph reads: [b, n, aux] views of one buffer, filled before each replay
         self.pairs_hidden = torch.zeros(most * engine.aux_width, dtype=engine.dtype, device=engine.device)
@@ -145,7 +146,8 @@ class Eagle3Graphs:
         -> real_pairs_forward's outputs, or None when no graph fits (run eagerly)."""
         b, n = tokens.shape
         gb = self._bucket(b)
-        gn = next((x for x in self.pair_lens if x >= n and (gb, x) in self.pairs_captured), None)
+        room = self.engine.slot_len - int(start.max())
+        gn = next((x for x in self.pair_lens if n <= x <= room and (gb, x) in self.pairs_captured), None)
         if gn is None:
             return None
         c = self.pairs_captured[(gb, gn)]

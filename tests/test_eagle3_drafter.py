@@ -357,3 +357,22 @@ def test_a_prompt_is_fed_apart_from_the_catch_ups(checkpoints, tmp_path, monkeyp
         fresh = engine(target, head_dir).step(DrafterStep(1, [DraftItem(
             "s", len(c), c, [], ChainShape(2), hidden=target_states(target, aux, c))]))
         assert d.tree.token_ids == fresh.drafts[0].tree.token_ids, d.seq_id
+
+
+def test_prompt_feeds_pad_only_within_the_slot(checkpoints, tmp_path):
+    """The attention reads a feed's keys up to its start + padded length: no pairs graph is longer
+    than a slot (its capture would read past the KV cache: an illegal access on the GPU), and a
+    feed near its slot's end is padded only as far as the slot reaches (else it runs eagerly)."""
+    target, head_dir = setup(checkpoints, tmp_path)
+    eng = graphed(engine(target, head_dir), "cpu")
+    g, slot_len = eng.graphs, eng.slot_len
+    assert all(n <= slot_len for _, n in g.pairs_captured) and (1, 128) in g.pairs_captured
+    assert not g.pairs_fit(1, 256) and slot_len < 256
+    fed = []
+    g.pairs_captured[(1, 16)].graph.body = lambda c: fed.append(c.tokens.shape[1])   # what replays, and how wide
+    hidden = torch.zeros(1, 9, eng.aux_width, dtype=torch.float64)
+    for start, want in ((0, [16]), (slot_len - 16, [16]), (slot_len - 15, [])):
+        fed.clear()
+        out = g.real_pairs(torch.ones(1, 9, dtype=torch.long), hidden, torch.tensor([start]), torch.tensor([9]),
+                           torch.tensor([0]))
+        assert fed == want and (out is None) == (not want), start
