@@ -2,8 +2,9 @@
 
 A step of a small batch costs far more in host work (Python and ~1,000 kernel launches) than on
 the GPU; replaying a captured graph launches the whole forward at once. Graphs are captured at
-start-up for every (batch bucket, query length) pair, largest first, sharing one memory pool;
-a forward that fits a pair is copied into that graph's static inputs, padded, and replayed:
+start-up for every (batch bucket, query length) pair within the family's token cap, largest first,
+sharing one memory pool; a forward that fits a pair is copied into that graph's static inputs,
+padded, and replayed:
 
 - batch: padded up to the bucket with rows that write their KV into a scratch slot that no
   sequence owns (the runner allocates one slot more), so padding never touches real state;
@@ -37,10 +38,6 @@ DEFAULT_QUERY_LENS = (1, 2, 3, 5, 9, 17)
 # by launches rather than by the tokens it carries.
 WIDE_QUERY_LENS = (33, 65)
 
-
-def verify_query_lens(max_draft_tokens: int) -> tuple[int, ...]:
-    """The verify graphs' query lengths: chains and trees of up to max_draft_tokens plus the root."""
-    return tuple(n for n in DEFAULT_QUERY_LENS + WIDE_QUERY_LENS if n <= max_draft_tokens + 1)
 # Prompt chunks: on a GPU a forward of up to a few hundred tokens costs about what one token does
 # (weights dominate), so padding to the next length wastes little; the graph saves the eager
 # forward's launches (~15 ms for an 8B model), paid by every step that admits a prompt.
@@ -54,8 +51,13 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(sorted(sizes | {max_batch}))
 
 
+def verify_query_lens(max_draft_tokens: int) -> tuple[int, ...]:
+    """The verify graphs' query lengths: chains and trees of up to max_draft_tokens plus the root."""
+    return tuple(n for n in DEFAULT_QUERY_LENS + WIDE_QUERY_LENS if n <= max_draft_tokens + 1)
+
+
 def wide_step_tokens(max_batch: int) -> int:
-    """Tokens a captured verify or tree-draft step may hold: the widest default step at max_batch."""
+    """Tokens a captured verify step may hold: what the widest default length takes at max_batch."""
     return max(batch_buckets(max_batch)) * max(DEFAULT_QUERY_LENS)
 
 
