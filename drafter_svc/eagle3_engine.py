@@ -54,9 +54,9 @@ class Eagle3DrafterEngine:
         self.cache = KVCache(1, max_sequences + 1, self.slot_len, spec.num_kv_heads, spec.head_dim, self.dtype,
                              self.device)
         self.table = SequenceTable(max_sequences, spec.vocab_size, self.max_context)
-        # seq id -> target states [m, aux] of positions fed - 1 .., on the host: a step uploads all
-        # sequences' rows in one copy (not one synchronous copy per sequence)
-        self.rows: dict[str, torch.Tensor] = {}
+        # seq id -> blocks of target states [m, aux] of positions fed - 1 .., on the host: a step
+        # uploads all sequences' rows in one copy (not one synchronous copy per sequence)
+        self.rows: dict[str, list[torch.Tensor]] = {}
         self.fed: dict[str, int] = {}            # seq id -> head positions holding real pairs (q < fed)
         self.graphs = None   # Eagle3Graphs once captured
         self.staging = PinnedStaging(self.device)   # the target states' upload
@@ -101,13 +101,9 @@ class Eagle3DrafterEngine:
             return state
         if opening:
             self.fed[state.seq_id] = 0
-            self.rows[state.seq_id] = rows[:0] if packed else torch.empty(0, self.aux_width, dtype=self.dtype)
-        if got:
-            held = self.rows[state.seq_id]
-            rows = rows if packed else rows.to("cpu", self.dtype)
-            if held.dtype != rows.dtype:   # (a sequence's rows all come from one verifier: not seen in practice)
-                held, rows = (dequantize_rows(t, self.dtype) if t.dtype == torch.uint8 else t for t in (held, rows))
-            self.rows[state.seq_id] = torch.cat([held, rows])
+            self.rows[state.seq_id] = []
+        if got:   # kept as the blocks that came: a step joins every sequence's blocks in one copy
+            self.rows[state.seq_id].append(rows if packed else rows.to("cpu", self.dtype))
         return state
 
     def _verifier_flag(self) -> str:
@@ -143,32 +139,39 @@ class Eagle3DrafterEngine:
         starts, feeds, rows = [], [], []
         for s in states:
             start = min(self.fed[s.seq_id], len(s.tokens) - 2)
-            pending = self.rows[s.seq_id]
+            blocks = self.rows[s.seq_id]     # the states of positions start .. len - 2, in blocks
             starts.append(start)
             feeds.append(s.tokens[start + 1:])
-            rows.append(pending[pending.shape[0] - len(feeds[-1]):])
+            rows.append(blocks)
             self.fed[s.seq_id] = len(s.tokens) - 1
-            self.rows[s.seq_id] = pending[-1:]  # keep the last: the next step may need its output again
+            # keep the last: the next step may need its output again
+            self.rows[s.seq_id] = [blocks[-1][-1:]] if blocks else []
         # a staging buffer per group: both groups' uploads may be in flight at once
         return prompts_apart([len(f) for f in feeds], CATCH_UP_PAIRS, self.device, lambda some, group: (
             self._pairs_forward([starts[i] for i in some], [feeds[i] for i in some], [rows[i] for i in some],
                                 slots[some], ("hidden", "prompt hidden")[group])))
 
-    def _pairs_forward(self, starts: list[int], feeds: list[list[int]], rows: list[torch.Tensor],
+    def _pairs_forward(self, starts: list[int], feeds: list[list[int]], rows: list[list[torch.Tensor]],
                        slots: torch.Tensor, staging: str = "hidden") -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward of real pairs: feeds[i] with their target states rows[i] at head positions
-        starts[i] + 1 .. -> the draft logits [B, Vd] and hidden output [B, h] after each feed."""
+        """One forward of real pairs: feeds[i] with their target states (rows[i]: blocks, their last
+        len(feeds[i]) rows) at head positions starts[i] + 1 .. -> the draft logits [B, Vd] and hidden
+        output [B, h] after each feed."""
         n = max(len(f) for f in feeds)
         tokens = torch.tensor([f + [0] * (n - len(f)) for f in feeds], dtype=torch.long)      # [B, n] host
         lengths = torch.tensor([len(f) for f in feeds], dtype=torch.long)
         start = torch.tensor(starts, dtype=torch.long)
-        packed = all(r.dtype == torch.uint8 for r in rows)   # fp8 rows: uploaded as such, unpacked there
+        parts, dest = [], []   # the rows to stage, and their rows of the staging buffer viewed [B * n, width]
+        for i, (blocks, f) in enumerate(zip(rows, feeds)):
+            taken = last_rows(blocks, len(f))
+            parts += taken
+            dest += range(i * n, i * n + sum(r.shape[0] for r in taken))
+        packed = all(r.dtype == torch.uint8 for r in parts)   # fp8 rows: uploaded as such, unpacked there
         if not packed:
-            rows = [dequantize_rows(r, self.dtype) if r.dtype == torch.uint8 else r for r in rows]
+            parts = [dequantize_rows(r, self.dtype) if r.dtype == torch.uint8 else r for r in parts]
         width, dtype = (self.aux_width + 4, torch.uint8) if packed else (self.aux_width, self.dtype)
         hidden = self.staging.get(f"{staging} {dtype}", (len(feeds), n, width), dtype).zero_()
-        for i, r in enumerate(rows):
-            hidden[i, : r.shape[0]] = r
+        if parts:
+            hidden.view(-1, width).index_copy_(0, torch.tensor(dest, dtype=torch.long), torch.cat(parts))
         if packed:   # [B, n, aux] on the device
             hidden = dequantize_rows(upload(hidden, self.device), self.dtype)
         fed = None if self.graphs is None else self.graphs.real_pairs(tokens, hidden, start, lengths, slots)
@@ -238,6 +241,17 @@ class Eagle3DrafterEngine:
             out = head_tree(self.head, self.embed, self.cache, root_logits, root_out, ctx_len, slots, shape,
                             max(len(s.tokens) - 1 for s in states))
         return to_trees(*out)
+
+
+def last_rows(blocks: list[torch.Tensor], k: int) -> list[torch.Tensor]:
+    """The last k rows (fewer if there are fewer) of blocks of rows, as views, in order."""
+    out = []
+    for block in reversed(blocks):
+        if k <= 0:
+            break
+        out.append(block[-k:] if block.shape[0] > k else block)
+        k -= block.shape[0]
+    return out[::-1]
 
 
 def real_pairs_forward(head: Eagle3Head, embed: torch.Tensor, cache: KVCache, tokens: torch.Tensor,

@@ -376,3 +376,13 @@ def test_prompt_feeds_pad_only_within_the_slot(checkpoints, tmp_path):
         out = g.real_pairs(torch.ones(1, 9, dtype=torch.long), hidden, torch.tensor([start]), torch.tensor([9]),
                            torch.tensor([0]))
         assert fed == want and (out is None) == (not want), start
+
+
+def test_last_rows_of_blocks():
+    """A sequence's states arrive in blocks; a feed takes the last rows of them, in order."""
+    from drafter_svc.eagle3_engine import last_rows
+
+    blocks = [torch.arange(3)[:, None], torch.arange(3, 4)[:, None], torch.arange(4, 7)[:, None]]
+    for k, want in ((0, []), (2, [5, 6]), (4, [3, 4, 5, 6]), (6, [1, 2, 3, 4, 5, 6]), (9, list(range(7)))):
+        taken = last_rows(blocks, k)
+        assert (torch.cat(taken)[:, 0].tolist() if taken else []) == want, k
