@@ -21,13 +21,13 @@ from specdec.cost_profile import (AUTO_CHAIN_KS, AUTO_TREES, StepCost, chain_sha
 PROMPT_LEN = 16
 
 
-def _shapes(device: torch.device) -> list[tuple[str, ChainShape | TreeShape, int]]:
+def _shapes(device: torch.device, draft_vocab_size: int) -> list[tuple[str, ChainShape | TreeShape, int]]:
     """(name, shape, assumed tokens) for every profiled shape (fewer chains on the CPU, where a
-    chain's cost is close to linear in k)."""
+    chain's cost is close to linear in k; no tree picking more tokens than the vocabulary has)."""
     ks = AUTO_CHAIN_KS if device.type == "cuda" else (1, 4, 8)
     out = [(chain_shape(k), ChainShape(k), 0) for k in ks]
     out += [(predraft_shape(k), ChainShape(k + 1), k) for k in ks]
-    return out + [(tree_shape(*t), TreeShape(*t), 0) for t in AUTO_TREES]
+    return out + [(tree_shape(*t), TreeShape(*t), 0) for t in AUTO_TREES if t[0] <= draft_vocab_size]
 
 
 def measure_draft_costs(engine: DrafterEngine | Eagle3DrafterEngine, reps: int = 3) -> list[StepCost]:
@@ -43,7 +43,7 @@ def measure_draft_costs(engine: DrafterEngine | Eagle3DrafterEngine, reps: int =
             hidden = (torch.zeros(PROMPT_LEN - 1, engine.aux_width, dtype=engine.dtype)
                       if isinstance(engine, Eagle3DrafterEngine) else None)
             _step(engine, [DraftItem(sid, PROMPT_LEN, prompt, [], ChainShape(1), hidden=hidden) for sid in ids])
-            for name, shape, assumed in _shapes(device):
+            for name, shape, assumed in _shapes(device, engine.draft_vocab_size):
                 items = [DraftItem(sid, PROMPT_LEN, [], prompt[:assumed], shape) for sid in ids]
                 costs.append(StepCost(name, batch, time_step(lambda: _step(engine, items), device, reps)))
         finally:

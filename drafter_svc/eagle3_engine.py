@@ -54,6 +54,7 @@ class Eagle3DrafterEngine:
         self.cache = KVCache(1, max_sequences + 1, self.slot_len, spec.num_kv_heads, spec.head_dim, self.dtype,
                              self.device)
         self.table = SequenceTable(max_sequences, spec.vocab_size, self.max_context)
+        self.draft_vocab_size = head.spec.draft_vocab_size   # what a tree's top-k picks from
         # seq id -> blocks of target states [m, aux] of positions fed - 1 .., on the host: a step
         # uploads all sequences' rows in one copy (not one synchronous copy per sequence)
         self.rows: dict[str, list[torch.Tensor]] = {}
@@ -96,7 +97,7 @@ class Eagle3DrafterEngine:
                                  f"{list(self.head.spec.aux_layers)} for every committed token but the last: "
                                  f"expected {want} rows of {self.aux_width}, got {got} (start the verifier with "
                                  f"{self._verifier_flag()})")
-        state = apply_item(self.table, item, self.slot_len, self.max_context)
+        state = apply_item(self.table, item, self.slot_len, self.max_context, self.draft_vocab_size)
         if isinstance(state, SequenceError):
             return state
         if opening:

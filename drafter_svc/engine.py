@@ -47,6 +47,7 @@ class DrafterEngine:
         self.slot_len = self.max_context + DRAFT_SLACK
         runner.allocate_kv(max_sequences, self.slot_len)
         self.table = SequenceTable(max_sequences, spec.vocab_size, self.max_context)
+        self.draft_vocab_size = spec.vocab_size   # what a tree's top-k picks from
         self.max_sequences = max_sequences
         self.draft_graphs: DraftGraphs | None = None
 
@@ -80,7 +81,7 @@ class DrafterEngine:
         return result
 
     def _apply(self, item: DraftItem) -> SequenceState | SequenceError:
-        return apply_item(self.table, item, self.slot_len, self.max_context)
+        return apply_item(self.table, item, self.slot_len, self.max_context, self.draft_vocab_size)
 
     def _catch_up(self, ready: list[tuple[SequenceState, DraftItem]]) -> torch.Tensor:
         """Feed each context (committed + assumed tokens) where the KV lacks it, at least its last
@@ -183,11 +184,13 @@ class DrafterEngine:
         return out
 
 
-def apply_item(table: SequenceTable, item: DraftItem, slot_len: int,
-               max_context: int) -> SequenceState | SequenceError:
+def apply_item(table: SequenceTable, item: DraftItem, slot_len: int, max_context: int,
+               draft_vocab_size: int) -> SequenceState | SequenceError:
     """Open or extend the item's sequence with its newly committed tokens, after checks (shared by
     the drafter engines)."""
     problem = item.shape.problem()
+    if isinstance(item.shape, TreeShape) and item.shape.topk > draft_vocab_size:
+        problem = f"tree topk={item.shape.topk} is more than the drafter's {draft_vocab_size}-token vocabulary"
     if problem:
         return SequenceError(item.seq_id, ErrorCode.INVALID, problem)
     state = table.get(item.seq_id)

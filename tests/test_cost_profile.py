@@ -49,3 +49,20 @@ def test_eagle3_drafter_profile(checkpoints, tmp_path):
     costs = measure_draft_costs(eagle3, reps=1)
     assert {"chain:4", "pre:4", tree_shape(*AUTO_TREES[1])} <= {c.shape for c in costs}
     assert eagle3.table.opened == 0 and eagle3.table.get("profile-0") is None
+
+
+def test_a_tiny_vocabulary_profiles_only_the_trees_it_can_draft(tmp_path):
+    """A drafter of a 5-token vocabulary cannot pick 8 children a node: its profile leaves the
+    wide trees out (auto's menu then does too), and a request for one is refused per sequence."""
+    from model_factory import make_tiny_vocab_checkpoint
+
+    from drafter_svc.types import DraftItem, DrafterStep, TreeShape
+    from specdec.errors import ErrorCode
+
+    engine = DrafterEngine(runner(make_tiny_vocab_checkpoint(tmp_path / "tiny", seed=2)), 4, 256)
+    assert engine.draft_vocab_size < 8
+    shapes = {c.shape for c in measure_draft_costs(engine, reps=1)}
+    assert shapes >= {tree_shape(*t) for t in AUTO_TREES if t[0] <= 4}
+    assert not shapes & {tree_shape(*t) for t in AUTO_TREES if t[0] > engine.draft_vocab_size}
+    result = engine.step(DrafterStep(1, [DraftItem("w", 3, [1, 2, 3], [], TreeShape(8, 6, 32))]))
+    assert not result.drafts and result.errors[0].code == ErrorCode.INVALID and "topk=8" in result.errors[0].message
