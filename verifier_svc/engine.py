@@ -179,9 +179,11 @@ class VerifierEngine:
         self.prefills.advance(chunks)
         wants = lambda e: any(s.seq_id in self.hidden_wanted for s in (e.state, *e.followers))  # noqa: E731
         if aux is not None and any(wants(c.entry) for c in chunks):
-            for c, rows in zip(chunks, aux):
-                # read once the step's read-back below (same stream) has waited for the copy
-                c.entry.hidden.append(self._wire(rows[:c.end - c.start]).to("cpu", non_blocking=True))
+            lengths = [c.end - c.start for c in chunks]
+            wired = self._wire(torch.cat([rows[:n] for rows, n in zip(aux, lengths)]))   # [sum(lengths), .]
+            # read once the step's read-back below (same stream) has waited for the copy
+            for c, rows in zip(chunks, wired.to("cpu", non_blocking=True).split(lengths)):
+                c.entry.hidden.append(rows)
         done = [(i, c.entry) for i, c in enumerate(chunks) if c.completes]
         if not done:
             return []
