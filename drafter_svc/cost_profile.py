@@ -15,8 +15,8 @@ import torch
 from drafter_svc.eagle3_engine import Eagle3DrafterEngine
 from drafter_svc.engine import DrafterEngine
 from drafter_svc.types import ChainShape, DraftItem, DrafterStep, TreeShape
-from specdec.cost_profile import (AUTO_CHAIN_KS, AUTO_TREES, StepCost, chain_shape, predraft_shape, profile_batches,
-                                  time_step, tree_shape)
+from specdec.cost_profile import (AUTO_CHAIN_KS, StepCost, chain_shape, predraft_shape, profile_batches,
+                                  profiled_trees, time_step, tree_shape)
 
 PROMPT_LEN = 16
 
@@ -27,7 +27,7 @@ def _shapes(device: torch.device, draft_vocab_size: int) -> list[tuple[str, Chai
     ks = AUTO_CHAIN_KS if device.type == "cuda" else (1, 4, 8)
     out = [(chain_shape(k), ChainShape(k), 0) for k in ks]
     out += [(predraft_shape(k), ChainShape(k + 1), k) for k in ks]
-    return out + [(tree_shape(*t), TreeShape(*t), 0) for t in AUTO_TREES if t[0] <= draft_vocab_size]
+    return out + [(tree_shape(*t), TreeShape(*t), 0) for t in profiled_trees(device.type) if t[0] <= draft_vocab_size]
 
 
 def measure_draft_costs(engine: DrafterEngine | Eagle3DrafterEngine, reps: int = 3) -> list[StepCost]:

@@ -23,6 +23,14 @@ if TYPE_CHECKING:   # (the gateway reads the shapes and StepCost; only the engin
 AUTO_CHAIN_KS = (1, 2, 3, 4, 6, 8)
 AUTO_TREES = ((2, 4, 8), (4, 4, 16), (4, 5, 16), (8, 6, 32), (8, 7, 64))   # (topk, depth, budget)
 VERIFY_WIDTHS = tuple(sorted({1, *(k + 1 for k in AUTO_CHAIN_KS), *(b + 1 for _, _, b in AUTO_TREES)}))
+# The wide trees pay where a step costs its launches more than its tokens (a GPU at low load); on a
+# CPU a step costs in proportion to its tokens, so they are not profiled there (and auto, which
+# chooses only what both profiles price, leaves them out).
+NARROW_WIDTH = 17
+
+
+def profiled_trees(device_type: str) -> tuple[tuple[int, int, int], ...]:
+    return AUTO_TREES if device_type == "cuda" else tuple(t for t in AUTO_TREES if t[2] + 1 <= NARROW_WIDTH)
 
 
 @dataclass(frozen=True)

@@ -394,3 +394,20 @@ def test_a_deep_chain_is_not_expected_to_commit_more_than_it_does():
             book.observe(f"r{i // 16}", "chain", 8, accepted)
         ratios.append(float(expected_tokens(book.drafter_rates("chain"), 8)) / truth)
     assert np.mean(ratios) < 1.04, ratios
+
+
+def test_the_menu_has_only_trees_both_profiles_price():
+    """A tree is on the menu when the drafter profiled it and the verifier's profile reaches its
+    width: a CPU verifier (widths up to 17) would otherwise price a 65-wide verify as a 17-wide one."""
+    wide = {f"tree {t}/{d}/{b}" for t, d, b in AUTO_TREES if b > 16}
+    full = profile(memory_bound, cheap_draft)
+    assert wide <= {c.name for c in menu(full, 64, False)}
+    narrow = CostModel([c for w, s in full.verify_widths.items() if w <= 17 for c in _costs(f"verify:{w}", s)],
+                       [c for s, surf in full.draft_shapes.items() for c in _costs(s, surf)])
+    names = {c.name for c in menu(narrow, 64, False)}
+    assert not wide & names and {"tree 4/4/16", "tree 4/5/16", "chain k=8"} <= names
+    assert not wide & {c.name for c in menu(full, 16, False)}   # nor past --max-draft-tokens
+
+
+def _costs(shape: str, surface) -> list[StepCost]:
+    return [StepCost(shape, b, surface.at(b)) for b in BATCHES]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from specdec.cost_profile import VERIFY_WIDTHS, StepCost, profile_batches, time_step
+from specdec.cost_profile import NARROW_WIDTH, VERIFY_WIDTHS, StepCost, profile_batches, time_step
 from specdec.tree import DraftTree
 from verifier_svc.engine import VerifierEngine
 from verifier_svc.types import OpenSequence, VerifierStep, VerifyItem
@@ -23,6 +23,7 @@ def measure_verify_costs(engine: VerifierEngine, reps: int = 3) -> list[StepCost
     reps = reps if device.type == "cuda" else 1   # the CPU is not shared with other kernels' queues
     widths = [w for w in VERIFY_WIDTHS if w - 1 <= engine.max_draft_tokens]
     if device.type != "cuda":   # a CPU step costs in proportion to its tokens: three widths suffice
+        widths = [w for w in widths if w <= NARROW_WIDTH]   # (no wide trees there: profiled_trees)
         widths = sorted({widths[0], widths[len(widths) // 2], widths[-1]})
     rng = random.Random(0)
     opened, computed = engine.table.opened, engine.prefill_tokens_computed

@@ -143,6 +143,11 @@ class CostModel:
     def has_draft_shape(self, shape: str) -> bool:
         return shape in self.draft_shapes
 
+    def covers_width(self, width: int) -> bool:
+        """Whether the verifier's profile reaches this width (past it, a verify would be priced as
+        the widest it measured: a CPU verifier leaves wide trees out)."""
+        return width <= max(self.verify_widths, default=0)
+
     def verify(self, batch: int, width: int) -> float:
         widths = list(self.verify_widths)
         if width in self.verify_widths:

@@ -102,7 +102,8 @@ def menu(costs: CostModel, max_draft_tokens: int, overlap_allowed: bool) -> list
             if overlap_allowed and costs.has_draft_shape(predraft_shape(k)):
                 out.append(Choice(Mode.CHAIN, k, overlap=True))
     for topk, depth, budget in AUTO_TREES:
-        if budget <= max_draft_tokens and costs.has_draft_shape(tree_shape(topk, depth, budget)):
+        if (budget <= max_draft_tokens and costs.has_draft_shape(tree_shape(topk, depth, budget))
+                and costs.covers_width(budget + 1)):
             out.append(Choice(Mode.TREE, topk=topk, depth=depth, budget=budget))
     return out
 
