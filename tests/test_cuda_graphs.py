@@ -123,7 +123,8 @@ def check_wide_trees(eager: VerifierEngine, graphed: VerifierEngine, tol: float)
     ids = ["w0", "w1", "w2"]
     opens = [OpenSequence(sid, [rng.randrange(vocab) for _ in range(5)]) for sid in ids]
     assert eager.step(VerifierStep(0, open=opens)) == graphed.step(VerifierStep(0, open=opens))
-    # nodes per sequence each step: 65 and 33 query tokens (one row), 33 (two), 41 (three: eager), ...
+    # nodes per sequence each step -> the graph (rows, query length) it replays: (1, 65), (2, 33),
+    # none (3 rows of up to 41 tokens: eager), (1, 33), (1, 65)
     plan = ({"w0": 64}, {"w0": 30, "w1": 32}, {"w0": 20, "w1": 25, "w2": 40}, {"w1": 17}, {"w2": 48})
     for step, sizes in enumerate(plan, start=1):
         items = []
