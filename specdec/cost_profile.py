@@ -30,6 +30,7 @@ NARROW_WIDTH = 17
 
 
 def profiled_trees(device_type: str) -> tuple[tuple[int, int, int], ...]:
+    """The trees a drafter on this kind of device profiles (so offers to auto)."""
     return AUTO_TREES if device_type == "cuda" else tuple(t for t in AUTO_TREES if t[2] + 1 <= NARROW_WIDTH)
 
 
