@@ -2,11 +2,15 @@
 steps without (the first step after its prompt, a probe after a spell off) has the drafter take in
 every token committed meanwhile: on a CPU a chain k=1 step went from 51 ms to 63-91 ms then. Measured
 whole, those one-off steps priced chain k=1 above off, so auto stayed off where chain k=1 paid 1.3x.
-Such a step's drafts count as the profile prices them; the rest of the step is measured as ever."""
+Such a step's drafts count as the profile prices them; the rest of the step is measured as ever.
+Each measured step's debug line says what the plan expected and what the step took and committed
+(scripts/auto_log_summary.py sums them per choice)."""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 from test_auto_prefill import controller, request
@@ -57,3 +61,50 @@ def test_a_drafters_catch_up_is_not_read_as_the_choices_step_time():
         # Every step measured as the profile has it: the verify and a draft of its shape.
         assert policy.calibration.samples[(choice, 1)][-1] == pytest.approx(1.0), (choice, backlog)
     assert caught_up and steady, (caught_up, steady)
+
+
+class _Recorder:
+    """A logger that keeps its debug events."""
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+
+    def debug(self, event: str, **kw) -> None:
+        self.events.append({"event": event, **kw})
+
+    def info(self, event: str, **kw) -> None:
+        pass
+
+
+def test_each_measured_step_logs_what_it_expected_and_what_it_committed():
+    """The debug line per measured step carries the plan's expected tokens and the tokens the step
+    committed, so a run's log shows where auto's estimates go wrong."""
+    auto = controller()
+    auto.log = log = _Recorder()
+    r = request(0)
+    r.req = dataclasses.replace(r.req, max_new_tokens=10**6)
+    logged = 0
+    for _ in range(WARMUP_STEPS + 20):
+        before = len(r.tokens)
+        run_step(auto, r)
+        steps = [e for e in log.events if e["event"] == "auto step"]
+        if len(steps) > logged:   # a measured step: its line carries what it committed
+            logged = len(steps)
+            assert steps[-1]["tokens"] == len(r.tokens) - before, steps[-1]
+            assert {"choice", "expected_tokens", "expected_ms", "measured_ms"} <= steps[-1].keys()
+    assert logged >= 10
+
+
+def test_the_log_summary_reads_those_lines():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from auto_log_summary import summarize
+
+    lines = ["... [debug ] auto step batch=1 caught_up=False choice='chain k=1' expected_ms=58.0 expected_tokens=1.5 "
+             "measured_ms=60.0 model_ms=50 overhead_ms=0.0 probe=False service=gateway speculating=1 tokens=2",
+             "... [debug ] auto step batch=1 caught_up=False choice='chain k=1' expected_ms=58.0 expected_tokens=1.5 "
+             "measured_ms=56.0 model_ms=50 overhead_ms=0.0 probe=False service=gateway speculating=1 tokens=1",
+             "... [debug ] auto step batch=1 caught_up=True choice='chain k=1' expected_ms=0.0 expected_tokens=0.0 "
+             "measured_ms=90.0 model_ms=50 overhead_ms=0.0 probe=True service=gateway speculating=1 tokens=2",
+             "... [info ] auto mode choice choice=off"]
+    c = summarize(lines)["chain k=1"]
+    assert (c.steps, c.probes, c.measured_ms, c.expected_tokens, c.tokens) == (3, 1, 116.0, 3.0, 3.0)

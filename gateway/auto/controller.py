@@ -337,12 +337,13 @@ class AutoController:
                     return
                 if self.catching_up:
                     seconds += self.costs.draft(len(plan.speculating), plan.choice.draft_shape) - draft_seconds
-                # What the policy expected of this step next to what it took (SPECDEC_LOG_LEVEL=debug).
+                # What the policy expected of this step next to what it took and committed
+                # (SPECDEC_LOG_LEVEL=debug).
                 self.log.debug("auto step", choice=plan.choice.name, batch=plan.batch,
                                speculating=len(plan.speculating), probe=plan.probe, caught_up=self.catching_up,
                                model_ms=round(plan.model_seconds * 1e3, 2), expected_ms=round(plan.seconds * 1e3, 2),
                                overhead_ms=round(plan.overhead * 1e3, 2), measured_ms=round(seconds * 1e3, 2),
-                               expected_tokens=round(plan.expected_tokens, 2))
+                               expected_tokens=round(plan.expected_tokens, 2), tokens=self.step_tokens)
                 policy.observe_step(plan, seconds)
 
     def forget(self, r: ActiveRequest) -> None:

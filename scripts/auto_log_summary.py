@@ -1,0 +1,66 @@
+"""What `--mode auto` expected of its steps next to what they took and committed, per choice, from
+a gateway's debug log (SPECDEC_LOG_LEVEL=debug: one "auto step" line per measured step).
+
+    python scripts/auto_log_summary.py /tmp/logs/gateway.log [more logs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+_FIELD = re.compile(r"(\w+)=('[^']*'|\S+)")
+
+
+@dataclass
+class ChoiceSteps:
+    steps: int = 0
+    probes: int = 0
+    expected_ms: float = 0.0     # sums over the non-probe steps (a probe has no expectation)
+    measured_ms: float = 0.0
+    expected_tokens: float = 0.0
+    tokens: float = 0.0
+
+
+def summarize(lines) -> dict[str, ChoiceSteps]:
+    """'auto step' lines -> per choice: steps, probes and the sums over the other steps."""
+    out: dict[str, ChoiceSteps] = defaultdict(ChoiceSteps)
+    for line in lines:
+        if "auto step" not in line:
+            continue
+        f = {k: v.strip("'") for k, v in _FIELD.findall(line)}
+        c = out[f["choice"]]
+        c.steps += 1
+        if f.get("probe") == "True":
+            c.probes += 1
+            continue
+        c.expected_ms += float(f["expected_ms"])
+        c.measured_ms += float(f["measured_ms"])
+        c.expected_tokens += float(f["expected_tokens"])
+        c.tokens += float(f.get("tokens", "nan"))
+    return dict(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("logs", nargs="+")
+    a = p.parse_args()
+    rows = {}
+    for path in a.logs:
+        with open(path, errors="replace") as f:
+            for name, c in summarize(f).items():
+                rows.setdefault(name, ChoiceSteps())
+                for field in ChoiceSteps.__dataclass_fields__:
+                    setattr(rows[name], field, getattr(rows[name], field) + getattr(c, field))
+    print("| choice | steps | probes | expected ms | measured ms | expected tokens | committed tokens |")
+    print("|---|---|---|---|---|---|---|")
+    for name, c in sorted(rows.items(), key=lambda kv: -kv[1].steps):
+        n = max(1, c.steps - c.probes)
+        print(f"| {name} | {c.steps} | {c.probes} | {c.expected_ms / n:.2f} | {c.measured_ms / n:.2f} | "
+              f"{c.expected_tokens / n:.2f} | {c.tokens / n:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
