@@ -44,9 +44,10 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_batch: int, query_lens: tuple[int, ...], log=None) -> None:
         """Capture the repeating forwards (see cuda_graphs.py), CUDA only: steps of every batch
-        bucket and query length (wide ones only up to wide_step_tokens), and prompt chunks (PREFILL_QUERY_LENS). Under tensor parallelism
-        every rank captures the same shapes in the same order (their collectives are captured with
-        them) and replays the same graph for each forward command, so the collectives stay paired."""
+        bucket and query length (wide ones only up to wide_step_tokens), and prompt chunks
+        (PREFILL_QUERY_LENS). Under tensor parallelism every rank captures the same shapes in the
+        same order (their collectives are captured with them) and replays the same graph for each
+        forward command, so the collectives stay paired."""
         aux_width = len(self.aux_layers) * self.spec.hidden_size
         logits_dtype = torch.promote_types(self.dtype, torch.float32)
         scratch, slot_len = self.cache.num_slots - 1, self.cache.slot_len
