@@ -17,23 +17,22 @@ import torch
 from drafter_svc.tree_draft import expand
 from drafter_svc.types import TreeShape
 from specdec.model.batch import ForwardBatch
-from specdec.model.cuda_graphs import batch_buckets
+from specdec.model.cuda_graphs import batch_buckets, wide_step_tokens
 from specdec.model.runner import ModelRunner
 
 # Chain lengths captured: k up to 6, plus the overlap pre-draft's extra token.
 DEFAULT_CHAIN_LENGTHS = (2, 3, 4, 5, 6, 7)
 # Tree shapes captured: the gateway's default (topk 4, depth 4, budget 16) and two neighbours, and
-# two wide trees for low load, captured only for the batches whose nodes fit in what the default
-# tree takes at the largest batch (so they add no memory to the pool).
+# two wide trees for low load, captured only for the batches whose trees (root included) fit in the
+# verifier's cap for a captured step, wide_step_tokens (so they add no memory to the pool).
 DEFAULT_TREE_SHAPES = (TreeShape(4, 4, 16), TreeShape(2, 4, 8), TreeShape(4, 5, 16),
                        TreeShape(8, 6, 32), TreeShape(8, 7, 64))
-_NARROW_BUDGET = 16
 
 
 def graph_fits(max_batch: int):
     """(b, key) -> whether a graph of that batch bucket and chain length or tree shape is captured."""
-    top = max(batch_buckets(max_batch))
-    return lambda b, key: not isinstance(key, TreeShape) or b * key.budget <= top * _NARROW_BUDGET
+    cap = wide_step_tokens(max_batch)
+    return lambda b, key: not isinstance(key, TreeShape) or b * (key.budget + 1) <= cap
 
 
 class _Captured:

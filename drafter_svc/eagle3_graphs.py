@@ -30,14 +30,14 @@ from drafter_svc.eagle3_engine import (
 )
 from drafter_svc.types import TreeShape
 from specdec.model.batch import PackedStatics
-from specdec.model.cuda_graphs import PREFILL_MAX_TOKENS, batch_buckets
+from specdec.model.cuda_graphs import PREFILL_MAX_TOKENS, PREFILL_QUERY_LENS, batch_buckets
 
 # Chain steps = assumed tokens + k: chains of up to 6 drafts, after up to 7 assumed ones.
 DEFAULT_CHAIN_STEPS = tuple(range(1, 14))
 REAL_PAIRS = tuple(range(1, CATCH_UP_PAIRS + 1))
 # Prompts' feeds (a head forward costs little more for a few hundred pairs than for one: the
 # graph saves its launches, paid by every step that admits a prompt).
-PROMPT_PAIRS = (16, 32, 64, 128, 256, 512)
+PROMPT_PAIRS = (16, *PREFILL_QUERY_LENS)
 # Hedges: drafts of k <= 4 after their guesses, up to 4 hedges a sequence (pre-drafts after chains
 # of k <= 4); their masks span 128 positions (a chain of k = 4 needs 25).
 HEDGE_STEPS = (1, 2, 3, 4)
@@ -153,7 +153,7 @@ class Eagle3Graphs:
         c = self.pairs_captured[(gb, gn)]
         # padding rows: the capture's values; padded pairs of real rows lie past their lengths and
         # write KV past their real pairs, where the next real pairs or drafts overwrite it
-        c.ints.load([torch.nn.functional.pad(tokens, (0, gn - n)), start, lengths, slots])
+        c.ints.load([tokens if gn == n else torch.nn.functional.pad(tokens, (0, gn - n)), start, lengths, slots])
         c.hidden[:b, :n].copy_(hidden, non_blocking=True)   # padding keeps old states: nothing real sees them
         c.graph.replay()
         return tuple(out[:b] for out in c.outputs)

@@ -47,13 +47,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("logs", nargs="+")
     a = p.parse_args()
-    rows = {}
+    lines = []
     for path in a.logs:
         with open(path, errors="replace") as f:
-            for name, c in summarize(f).items():
-                rows.setdefault(name, ChoiceSteps())
-                for field in ChoiceSteps.__dataclass_fields__:
-                    setattr(rows[name], field, getattr(rows[name], field) + getattr(c, field))
+            lines += f.readlines()
+    rows = summarize(lines)
     print("| choice | steps | probes | expected ms | measured ms | expected tokens | committed tokens |")
     print("|---|---|---|---|---|---|---|")
     for name, c in sorted(rows.items(), key=lambda kv: -kv[1].steps):

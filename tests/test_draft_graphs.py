@@ -95,8 +95,8 @@ def check_drafts(eager: DrafterEngine, graphed: DrafterEngine, tol: float) -> No
 
 
 def test_wide_trees_are_captured_only_where_their_nodes_fit():
-    """Wide trees get graphs for the batches whose nodes fit in the default tree's at the largest
-    bucket (64 x 16): no larger memory pool; chains at every bucket."""
+    """Wide trees get graphs for the batches whose trees (root included) fit in the verifier's cap
+    for a captured step (64 x 17 tokens): no larger memory pool; chains at every bucket."""
     fits = graph_fits(64)
     assert fits(64, TreeShape(4, 4, 16)) and fits(32, TreeShape(8, 6, 32)) and fits(16, TreeShape(8, 7, 64))
     assert not fits(48, TreeShape(8, 6, 32)) and not fits(32, TreeShape(8, 7, 64))
