@@ -102,9 +102,9 @@ def test_the_log_summary_reads_those_lines():
     lines = ["... [debug ] auto step batch=1 caught_up=False choice='chain k=1' expected_ms=58.0 expected_tokens=1.5 "
              "measured_ms=60.0 model_ms=50 overhead_ms=0.0 probe=False service=gateway speculating=1 tokens=2",
              "... [debug ] auto step batch=1 caught_up=False choice='chain k=1' expected_ms=58.0 expected_tokens=1.5 "
-             "measured_ms=56.0 model_ms=50 overhead_ms=0.0 probe=False service=gateway speculating=1 tokens=1",
+             "measured_ms=56.0 model_ms=50 overhead_ms=0.0 probe=False service=gateway speculating=1 tokens=2",
              "... [debug ] auto step batch=1 caught_up=True choice='chain k=1' expected_ms=0.0 expected_tokens=0.0 "
              "measured_ms=90.0 model_ms=50 overhead_ms=0.0 probe=True service=gateway speculating=1 tokens=2",
              "... [info ] auto mode choice choice=off"]
     c = summarize(lines)["chain k=1"]
-    assert (c.steps, c.probes, c.measured_ms, c.expected_tokens, c.tokens) == (3, 1, 116.0, 3.0, 3.0)
+    assert (c.steps, c.probes, c.measured_ms, c.expected_tokens, c.tokens) == (3, 1, 116.0, 3.0, 4.0)
