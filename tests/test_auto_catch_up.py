@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from test_auto_prefill import controller, request
 
-from gateway.auto.controller import WARMUP_STEPS
+from gateway.auto.controller import WARMUP_STEPS, draft_family
 from gateway.request import Mode
 
 VERIFY, DRAFT = 0.01, 0.0005            # the test profile's verify and draft seconds (test_auto_prefill)
@@ -108,3 +108,24 @@ def test_the_log_summary_reads_those_lines():
              "... [info ] auto mode choice choice=off"]
     c = summarize(lines)["chain k=1"]
     assert (c.steps, c.probes, c.measured_ms, c.expected_tokens, c.tokens) == (3, 1, 116.0, 3.0, 4.0)
+
+
+@pytest.mark.parametrize("accept_all", [True, False])
+def test_the_verdicts_of_planned_drafts_calibrate_what_the_policy_expects(accept_all):
+    """Each verdict of a request that a plan made speculate is set against what the plan expected of
+    it (TokenCalibration): drafts accepted more often than expected raise the figure, less lower it."""
+    auto = controller()
+    r = request(0)
+    r.req = dataclasses.replace(r.req, max_new_tokens=10**6)
+    for _ in range(WARMUP_STEPS + 30):
+        auto.plan([r], prefilling=False)
+        accepted = r.settings.k if accept_all else 0
+        if r.mode != Mode.OFF:
+            r.draft_family = draft_family(r.settings, r.mode)   # as the scheduler sets it with the draft
+            r.drafter_len = len(r.tokens)
+            auto.observe_verdict(r, r.settings.k, accepted)
+        r.tokens += [7] * (1 + (accepted if r.mode != Mode.OFF else 0))
+        auto.observe_step(VERIFY + DRAFT, DRAFT)
+    policy = auto.policies[True]
+    assert policy.tokens.expected > 0
+    assert (policy.tokens.ratio > 1.0) if accept_all else (policy.tokens.ratio < 1.0)

@@ -396,6 +396,29 @@ def test_a_deep_chain_is_not_expected_to_commit_more_than_it_does():
     assert np.mean(ratios) < 1.04, ratios
 
 
+def test_a_request_left_out_drifts_back_towards_its_drafters_estimate():
+    """A request that stops drafting stops producing verdicts: its own figures, from a hard stretch
+    of text, would otherwise keep it off to its end. Each step the policy leaves it out, its own
+    counts weigh less, so its estimate returns towards the drafter's and it is tried again."""
+    def per_sequence_draft(b, n):   # each sequence drafted costs its share: a hard one does not pay
+        return 0.002 * n * b
+
+    p = policy(profile(memory_bound, per_sequence_draft))
+    rng = np.random.default_rng(0)
+    for i in range(20):
+        observe(p, f"easy{i}", "chain", 0.8, 20, rng)
+    observe(p, "hard", "chain", 0.1, 30, rng)
+    drafter = p.book.drafter_rates("chain")[0]
+    before = p.book.request_rates(["hard", "easy0"], "chain")[:, 0]
+    assert before[0] < 0.5 * drafter
+    plan = p.plan(["hard", "easy0"], 0, 1, 0.0, steps=4)
+    assert plan.speculating == ["easy0"], plan
+    after = p.book.request_rates(["hard", "easy0"], "chain")[:, 0]
+    assert after[0] > before[0] and after[1] == before[1]   # only the request left out was aged
+    p.book.age_idle(["hard"], 20)                            # as 20 more steps off would
+    assert p.book.request_rates(["hard"], "chain")[0, 0] > 0.8 * drafter
+
+
 def test_the_menu_has_only_trees_both_profiles_price():
     """A tree is on the menu when the drafter profiled it and the verifier's profile reaches its
     width: a CPU verifier (widths up to 17) would otherwise price a 65-wide verify as a 17-wide one."""

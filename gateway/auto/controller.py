@@ -54,6 +54,7 @@ class AutoController:
         self.replan_every = 1 if cycle else replan_every
         self.plans: dict[bool, CachedPlan] = {}   # by whether overlap is allowed
         self.step_plans: list[tuple] = []    # this step's (policy, plan, other sequences)
+        self.step_drafts: list[list] = []    # per step plan: [expected drafts, accepted drafts, verdicts] (Plan.gains)
         self.steps_seen = 0
         self.catching_up = False   # this step's drafter also takes in tokens committed while a request did not draft
         self.holding: set[str] = set()   # this step: seq ids whose hidden states the verifier keeps (see plan)
@@ -160,7 +161,8 @@ class AutoController:
     def plan(self, continuing: list[ActiveRequest], prefilling: bool = False) -> None:
         """prefilling: the step also prefills prompts (its time will not be measured), so it runs
         only choices already measured at this batch size (AutoPolicy.plan's explore=False)."""
-        self.step_plans = []
+        self._flush_drafts()
+        self.step_plans, self.step_drafts = [], []
         self.catching_up = False
         self.holding = set()
         self.step_tokens = self.step_requests = 0
@@ -201,6 +203,7 @@ class AutoController:
         else:
             plan = self._cached_plan(policy, group, overlap_allowed, others, other_width, other_tokens, prefilling)
             self.step_plans.append((policy, plan, others))
+            self.step_drafts.append([0.0, 0.0, 0])
             choice, speculating = plan.choice, set(plan.speculating)
             self.choice_at[bucket(len(group) + others)] = choice
             if self.scout is not None and any(r is self.scout for r in group):
@@ -306,8 +309,22 @@ class AutoController:
             accepts.append(accepted)
         if r.auto:
             r.stats.steps_by_mode[r.choice or "off"] += 1
+            if drafted_depth:
+                for (_, plan, _), tally in zip(self.step_plans, self.step_drafts):
+                    expected = plan.gains.get(r.seq_id)
+                    if expected is not None:
+                        tally[0] += expected
+                        tally[1] += accepted
+                        tally[2] += 1
+                        break
         self.step_tokens += accepted + 1
         self.step_requests += 1
+
+    def _flush_drafts(self) -> None:
+        """The last step's drafts against what its plans expected of them (TokenCalibration)."""
+        for (policy, plan, _), (expected, accepted, verdicts) in zip(self.step_plans, self.step_drafts):
+            if isinstance(policy, AutoPolicy):
+                policy.observe_tokens(plan, expected, accepted, verdicts)
 
     def _flush_verdicts(self) -> None:
         for family, (ids, depths, accepts) in self.pending.items():

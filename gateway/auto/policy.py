@@ -42,7 +42,7 @@ from functools import cached_property
 
 import numpy as np
 
-from gateway.auto.acceptance import AcceptanceBook
+from gateway.auto.acceptance import AcceptanceBook, TokenCalibration
 from gateway.auto.costs import AdmissionRate, CostModel, StepCalibration, StepOverheads
 from gateway.request import Mode
 from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, chain_shape, predraft_shape, tree_shape
@@ -119,6 +119,8 @@ class Plan:
     expected_tokens: float = 0.0    # tokens the batch is expected to commit
     seconds: float = 0.0            # the calibrated time of a clean step (one that admits no prompt)
     overhead: float = 0.0           # what its steps are expected to take over that (admissions x cost each)
+    gains: dict[str, float] = dataclasses.field(default_factory=dict)   # speculating seq id -> its expected
+    #                                 accepted drafts before the TokenCalibration (what that calibration measures)
 
     @property
     def expected_seconds(self) -> float:
@@ -140,6 +142,7 @@ class AutoPolicy:
         measured steps that make a choice's step time at a batch size its own (not borrowed)."""
         self.costs, self.book, self.choices = costs, book, choices
         self.calibration = StepCalibration()
+        self.tokens = TokenCalibration()
         self.overheads = StepOverheads()
         self.admissions = AdmissionRate()
         self.min_observations, self.min_measured = min_observations, min_measured
@@ -200,6 +203,8 @@ class AutoPolicy:
                 return self._probe(probe, seq_ids, others)
         elif best.choice != OFF:
             self.steps_off, self.probe_interval = 0, self.probe_start
+        drafting = set(best.speculating)
+        self.book.age_idle([s for s in seq_ids if s not in drafting], steps)
         return best
 
     def _plan_measured(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
@@ -262,6 +267,13 @@ class AutoPolicy:
         c = plan.choice
         self.calibration.observe(c.kind, c.name, c.width, plan.batch, seconds, plan.model_seconds)
 
+    def observe_tokens(self, plan: Plan, expected: float, accepted: float, verdicts: int) -> None:
+        """The verdicts of `verdicts` requests that `plan` made speculate: the drafts it expected of them
+        (Plan.gains) and those accepted. A probe or challenge (priced to be tried, not to be right) is
+        left out."""
+        if not plan.probe and verdicts:
+            self.tokens.observe(expected, accepted, verdicts)
+
     def observe_overhead(self, plan: Plan, seconds: float, admitted: int = 0) -> None:
         """Any step that ran `plan` and admitted `admitted` prompts: its excess over the clean step it
         was priced at, when that price rests on measurements of the choice's own (not a probe, not a
@@ -304,7 +316,8 @@ class AutoPolicy:
             overhead = self._overhead(False, batch, tokens)
             return Plan(OFF, [], tokens / (calibrated + overhead), batch=batch, model_seconds=seconds,
                         expected_tokens=tokens, seconds=calibrated, overhead=overhead)
-        gain = prefix[0][:, c.positions - 1]                           # [n] E - 1
+        raw = prefix[0][:, c.positions - 1]                            # [n] E - 1
+        gain = raw if optimistic else raw * self.tokens.ratio
         full = prefix[1][:, c.positions - 1]                           # [n]
         order = np.argsort(-gain)
         ratio = self.calibration.ratio(c.kind, c.name, c.width, batch, optimistic)
@@ -327,7 +340,7 @@ class AutoPolicy:
                 best = (tokens / (step + overhead), n, seconds, tokens, step, overhead)
         tps, n, seconds, tokens, step, overhead = best
         return Plan(c, [seq_ids[i] for i in order[:n]], tps, batch=batch, model_seconds=seconds, expected_tokens=tokens,
-                    seconds=step, overhead=overhead)
+                    seconds=step, overhead=overhead, gains={seq_ids[i]: float(raw[i]) for i in order[:n]})
 
     def _seconds(self, c: Choice, batch: int, drafting: int, width: int, full_accept: np.ndarray | None) -> float:
         """The model's seconds for one step: the verify and what the step waits for drafting."""
