@@ -1,5 +1,7 @@
 """What `--mode auto` expected of its steps next to what they took and committed, per choice, from
-a gateway's debug log (SPECDEC_LOG_LEVEL=debug: one "auto step" line per measured step).
+a gateway's debug log (SPECDEC_LOG_LEVEL=debug: one "auto step" line per measured step), and what
+the steps that admitted prompts took over their clean price per prompt, per kind (off,
+speculating), next to the figure auto charged a prompt ("auto admitting step" lines).
 
     python scripts/auto_log_summary.py /tmp/logs/gateway.log [more logs]
 """
@@ -22,6 +24,29 @@ class ChoiceSteps:
     measured_ms: float = 0.0
     expected_tokens: float = 0.0
     tokens: float = 0.0
+
+
+@dataclass
+class Admissions:
+    steps: int = 0
+    admitted: int = 0
+    excess_ms: float = 0.0       # measured less the clean price, summed
+    charged_ms: float = 0.0      # the per-prompt figure auto charged, summed over the steps
+
+
+def admissions(lines) -> dict[str, Admissions]:
+    """'auto admitting step' lines -> per kind ("off", "speculating")."""
+    out: dict[str, Admissions] = defaultdict(Admissions)
+    for line in lines:
+        if "auto admitting step" not in line:
+            continue
+        f = {k: v.strip("'") for k, v in _FIELD.findall(line)}
+        a = out["off" if f["choice"] == "off" else "speculating"]
+        a.steps += 1
+        a.admitted += int(f["admitted"])
+        a.excess_ms += float(f["measured_ms"]) - float(f["expected_ms"])
+        a.charged_ms += float(f["per_admission_ms"])
+    return dict(out)
 
 
 def summarize(lines) -> dict[str, ChoiceSteps]:
@@ -58,6 +83,13 @@ def main() -> None:
         n = max(1, c.steps - c.probes)
         print(f"| {name} | {c.steps} | {c.probes} | {c.expected_ms / n:.2f} | {c.measured_ms / n:.2f} | "
               f"{c.expected_tokens / n:.2f} | {c.tokens / n:.2f} |")
+    taken = admissions(lines)
+    if taken:
+        print("\n| kind | steps admitting | prompts | excess ms per prompt | charged ms per prompt (mean) |")
+        print("|---|---|---|---|---|")
+        for kind, a in sorted(taken.items()):
+            print(f"| {kind} | {a.steps} | {a.admitted} | {a.excess_ms / max(1, a.admitted):.2f} | "
+                  f"{a.charged_ms / a.steps:.2f} |")
 
 
 if __name__ == "__main__":

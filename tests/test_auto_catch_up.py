@@ -110,6 +110,34 @@ def test_the_log_summary_reads_those_lines():
     assert (c.steps, c.probes, c.measured_ms, c.expected_tokens, c.tokens) == (3, 1, 116.0, 3.0, 4.0)
 
 
+def test_steps_that_admit_prompts_log_their_excess_and_the_charge_per_prompt():
+    """A step that admits prompts is priced at its clean time plus a charge per prompt (StepOverheads);
+    its debug line says what it took over the clean price and the charge, and the log summary
+    sums them per kind, so a run shows where that charge goes wrong."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from auto_log_summary import admissions
+
+    auto = controller()
+    auto.log = log = _Recorder()
+    r = request(0)
+    r.req = dataclasses.replace(r.req, max_new_tokens=10**6)
+    for step in range(WARMUP_STEPS + 12):
+        auto.plan([r], prefilling=step % 3 == 0)
+        r.tokens += [7]
+        auto.observe_step(VERIFY + 0.004, 0.0, prefilling=step % 3 == 0, admitted=2 if step % 3 == 0 else 0)
+    lines = [e for e in log.events if e["event"] == "auto admitting step"]
+    assert len(lines) >= 3 and all(e["admitted"] == 2 for e in lines), lines
+    assert {"choice", "batch", "expected_ms", "measured_ms", "overhead_ms", "per_admission_ms"} <= lines[-1].keys()
+    text = ["... [debug ] auto admitting step " + " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}"
+                                                            for k, v in e.items() if k != "event") for e in lines]
+    kinds = admissions(text + ["... [debug ] auto step choice=off expected_ms=1 measured_ms=2 expected_tokens=1"])
+    assert sum(a.steps for a in kinds.values()) == len(lines)
+    assert sum(a.admitted for a in kinds.values()) == 2 * len(lines)
+    for kind, a in kinds.items():
+        mine = [e for e in lines if (e["choice"] == "off") == (kind == "off")]
+        assert a.excess_ms == pytest.approx(sum(e["measured_ms"] - e["expected_ms"] for e in mine))
+
+
 @pytest.mark.parametrize("accept_all", [True, False])
 def test_the_verdicts_of_planned_drafts_calibrate_what_the_policy_expects(accept_all):
     """Each verdict of a request that a plan made speculate is set against what the plan expected of

@@ -165,13 +165,13 @@ class TokenCalibration:
     """Accepted drafts over the drafts the policy expected, over the requests its plans made
     speculate (challenges and probes left out). The estimates above are unbiased for a choice run
     regardless of them, but the policy speculates when and where they are high, so what it runs
-    it has overestimated on average. Replayed on recorded SmolLM2 verdicts (tests/data/, tests/
-    test_auto_replay.py), a chosen tree committed 4-15% fewer tokens than expected and a chosen
-    chain k=4 25-30% fewer; where only easy requests should speculate, auto ran at 0.96-0.97 of
-    off. One figure for all speculative choices: it corrects speculation against off, and no
-    choice's own figure can sink on an unlucky start and keep it from running again (per choice,
-    auto once kept a tree 4% worse than the best for a whole replay). Starts at 1 (`prior`
-    pseudo-tokens), decays per verdict, stays within [lo, hi]."""
+    it has overestimated on average. Replayed on recorded SmolLM2 verdicts (tests/test_auto_replay.py),
+    a chosen tree committed 4-15% fewer tokens than expected and a chosen chain k=4 25-30% fewer;
+    where only easy requests should speculate, auto ran at 0.96-0.97 of off. One figure for all
+    speculative choices: it corrects speculation against off, and no choice's own figure can sink
+    on an unlucky start and keep it from running again (with one figure per choice, some replays
+    kept a worse tree throughout: 0.93-0.96 of the best). Starts at 1 (`prior` pseudo-tokens),
+    decays per verdict, stays within [lo, hi]."""
 
     def __init__(self, decay: float = 0.995, prior: float = 30.0, lo: float = 0.7, hi: float = 1.25) -> None:
         self.decay, self.prior, self.lo, self.hi = decay, prior, lo, hi

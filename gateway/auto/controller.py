@@ -350,6 +350,14 @@ class AutoController:
             policy, plan, others = self.step_plans[0]
             if not others and isinstance(policy, AutoPolicy):
                 policy.observe_overhead(plan, seconds, admitted)
+                if prefilling or admitted:
+                    # What such a step took over the clean time it was priced at, per prompt it
+                    # admitted, next to the figure the policy charges a prompt (StepOverheads).
+                    per_admission = policy.overheads.per_admission(plan.choice != OFF, plan.batch)
+                    self.log.debug("auto admitting step", choice=plan.choice.name, batch=plan.batch,
+                                   admitted=admitted, expected_ms=round(plan.seconds * 1e3, 2),
+                                   overhead_ms=round(plan.overhead * 1e3, 2), measured_ms=round(seconds * 1e3, 2),
+                                   per_admission_ms=round(per_admission * 1e3, 2))
                 if prefilling:
                     return
                 if self.catching_up:
