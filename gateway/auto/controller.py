@@ -217,6 +217,9 @@ class AutoController:
                 self.log.info("auto mode choice", choice=choice.name, batch=len(group) + others,
                               speculating=len(speculating), expected_tokens_per_second=round(plan.tokens_per_second, 1),
                               off_tokens_per_second=round(off.tokens_per_second, 1) if off else None,
+                              off_step_ms=round(off.seconds * 1e3, 2) if off else None,
+                              off_overhead_ms=round(off.overhead * 1e3, 2) if off else None,
+                              overhead_ms=round(plan.overhead * 1e3, 2),
                               request_ids=sorted({r.req.request_id for r in group})[:16])
         for r in group:
             self._apply(r, choice if r.seq_id in speculating else OFF)
