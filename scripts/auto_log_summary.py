@@ -34,13 +34,17 @@ class Admissions:
     charged_ms: float = 0.0      # the per-prompt figure auto charged, summed over the steps
 
 
+def _events(lines, event: str):
+    """The fields of each log line of this event."""
+    for line in lines:
+        if event in line:
+            yield {k: v.strip("'") for k, v in _FIELD.findall(line)}
+
+
 def admissions(lines) -> dict[str, Admissions]:
     """'auto admitting step' lines -> per kind ("off", "speculating")."""
     out: dict[str, Admissions] = defaultdict(Admissions)
-    for line in lines:
-        if "auto admitting step" not in line:
-            continue
-        f = {k: v.strip("'") for k, v in _FIELD.findall(line)}
+    for f in _events(lines, "auto admitting step"):
         a = out["off" if f["choice"] == "off" else "speculating"]
         a.steps += 1
         a.admitted += int(f["admitted"])
@@ -52,10 +56,7 @@ def admissions(lines) -> dict[str, Admissions]:
 def summarize(lines) -> dict[str, ChoiceSteps]:
     """'auto step' lines -> per choice: steps, probes and the sums over the other steps."""
     out: dict[str, ChoiceSteps] = defaultdict(ChoiceSteps)
-    for line in lines:
-        if "auto step" not in line:
-            continue
-        f = {k: v.strip("'") for k, v in _FIELD.findall(line)}
+    for f in _events(lines, "auto step"):
         c = out[f["choice"]]
         c.steps += 1
         if f.get("probe") == "True":
