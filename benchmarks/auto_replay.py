@@ -37,7 +37,7 @@ TRACED = {"chain": "chain k=4 no-overlap", "tree:2/4/8": "tree topk=2 depth=4 bu
           "tree:4/5/16": "tree topk=4", "tree:8/6/32": "tree topk=8 depth=6 budget=32",
           "tree:8/7/64": "tree topk=8 depth=7 budget=64"}
 RECORDED_CHAIN = 4
-PROFILE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+PROFILE_BATCHES = (1, 2, 4, 8, 16, 32, 64)   # as the services profile on a GPU
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,18 @@ class Costs:
 
     def profile(self) -> CostModel:
         """What the services' start-up profiles would report (engines only)."""
-        v = [StepCost(f"verify:{w}", b, self.verify(b, w)) for w in VERIFY_WIDTHS for b in PROFILE_BATCHES]
-        d = [StepCost(chain_shape(k), b, self.draft(b, k)) for k in AUTO_CHAIN_KS for b in PROFILE_BATCHES]
-        d += [StepCost(predraft_shape(k), b, self.draft(b, 2 * k + 1)) for k in AUTO_CHAIN_KS for b in PROFILE_BATCHES]
-        d += [StepCost(tree_shape(*t), b, self.draft(b * t[0], t[1])) for t in AUTO_TREES for b in PROFILE_BATCHES]
-        return CostModel(v, d)
+        return synthetic_profile(self.verify, self.draft)
+
+
+def synthetic_profile(verify, draft, shared_accelerator: bool = False) -> CostModel:
+    """verify(batch, width) and draft(rows, k_or_depth) in seconds -> the CostModel that profiles of
+    every shape auto chooses from, at the batch sizes a GPU service times, would give (a tree drafts
+    batch x topk rows; an overlap pre-draft of k is priced as a chain of 2k + 1)."""
+    v = [StepCost(f"verify:{w}", b, verify(b, w)) for w in VERIFY_WIDTHS for b in PROFILE_BATCHES]
+    d = [StepCost(chain_shape(k), b, draft(b, k)) for k in AUTO_CHAIN_KS for b in PROFILE_BATCHES]
+    d += [StepCost(predraft_shape(k), b, draft(b, 2 * k + 1)) for k in AUTO_CHAIN_KS for b in PROFILE_BATCHES]
+    d += [StepCost(tree_shape(*t), b, draft(b * t[0], t[1])) for t in AUTO_TREES for b in PROFILE_BATCHES]
+    return CostModel(v, d, shared_accelerator=shared_accelerator)
 
 
 SCENARIOS = {

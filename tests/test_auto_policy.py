@@ -9,23 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from benchmarks.auto_replay import PROFILE_BATCHES, synthetic_profile
 from gateway.auto.acceptance import AcceptanceBook, expected_tokens
 from gateway.auto.costs import CostModel, StepCalibration
 from gateway.auto.policy import OFF, AutoPolicy, menu
 from gateway.request import Mode
-from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, VERIFY_WIDTHS, StepCost, chain_shape, predraft_shape, \
-    tree_shape
+from specdec.cost_profile import AUTO_TREES, StepCost
 
-BATCHES = (1, 2, 4, 8, 16, 32, 64)   # as the services profile on a GPU
-
-
-def profile(verify, draft, shared_accelerator: bool = False) -> CostModel:
-    """verify(batch, width) and draft(batch, k_or_depth) in seconds -> a CostModel built from a profile."""
-    v = [StepCost(f"verify:{w}", b, verify(b, w)) for w in VERIFY_WIDTHS for b in BATCHES]
-    d = [StepCost(chain_shape(k), b, draft(b, k)) for k in AUTO_CHAIN_KS for b in BATCHES]
-    d += [StepCost(predraft_shape(k), b, draft(b, 2 * k + 1)) for k in AUTO_CHAIN_KS for b in BATCHES]
-    d += [StepCost(tree_shape(*t), b, draft(b * t[0], t[1])) for t in AUTO_TREES for b in BATCHES]
-    return CostModel(v, d, shared_accelerator=shared_accelerator)
+profile = synthetic_profile   # verify(batch, width), draft(rows, k_or_depth) in seconds -> a CostModel
 
 
 def memory_bound(b: int, w: int) -> float:      # a GPU verify: flat until ~256 tokens
@@ -433,4 +424,4 @@ def test_the_menu_has_only_trees_both_profiles_price():
 
 
 def _costs(shape: str, surface) -> list[StepCost]:
-    return [StepCost(shape, b, surface.at(b)) for b in BATCHES]
+    return [StepCost(shape, b, surface.at(b)) for b in PROFILE_BATCHES]
