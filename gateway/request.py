@@ -131,6 +131,7 @@ class ActiveRequest:
     cancelled: bool = False
     finished: bool = False
     opening: bool = False                       # admitted; the verdict of its prefill is due
+    queued_at_step: int = 0                     # the scheduler's step number when it joined the queue
     resumes: int = 0                            # times it moved to a new verifier after losing one
 
     def __post_init__(self) -> None:

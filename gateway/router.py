@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
+from gateway.admission import AT_ONCE, AdmissionPolicy
 from gateway.auto.controller import AutoController
 from gateway.backends import StepStream
 from gateway.dialer import BackendDialer
@@ -45,7 +46,8 @@ class QueueFull(RuntimeError):
 class Router:
     def __init__(self, verifier_spec: str, drafter_spec: str | None, max_queue: int, eos_ids: set[int],
                  hold: HoldGate = NO_HOLD, auto_cycle: bool = False, dialer: BackendDialer | None = None,
-                 backend_wait: float = 10.0) -> None:
+                 backend_wait: float = 10.0, admission: AdmissionPolicy = AT_ONCE) -> None:
+        self.admission = admission   # when waiting prompts join a replica's running batch
         self.auto_cycle = auto_cycle   # tests only (--test-auto-cycle)
         self.dialer = dialer or BackendDialer()
         self.verifiers = ReplicaSet("verifier", verifier_spec, self.dialer)
@@ -131,7 +133,7 @@ class Router:
                               hidden_states=bool(replica.info.aux_hidden_layers))
         sched = Scheduler(StepStream("verifier", replica.address, self.dialer), replica.info.max_sequences,
                           self.eos_ids, on_done=self._on_done, on_lost=self._on_lost, hold=self.hold, auto=auto,
-                          dialer=self.dialer, on_orphans=self._on_orphans)
+                          dialer=self.dialer, on_orphans=self._on_orphans, admission=self.admission)
         self.schedulers[replica.address] = sched
         task = asyncio.get_running_loop().create_task(sched.run())
         self._tasks.add(task)

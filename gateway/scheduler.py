@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from gateway import metrics
+from gateway.admission import AT_ONCE, AdmissionPolicy
 from gateway.auto.controller import AutoController, draft_family
 from gateway.backends import BackendLost, StepStream
 from gateway.dialer import BackendDialer
@@ -41,8 +42,10 @@ class Scheduler:
                  on_lost: Callable[[str, str], None] = lambda role, address: None,
                  hold: HoldGate = NO_HOLD, auto: AutoController | None = None,
                  dialer: BackendDialer | None = None,
-                 on_orphans: Callable[[list[ActiveRequest]], None] | None = None) -> None:
+                 on_orphans: Callable[[list[ActiveRequest]], None] | None = None,
+                 admission: AdmissionPolicy = AT_ONCE) -> None:
         self.verifier = verifier
+        self.admission = admission  # when waiting prompts join the running batch
         self.dialer = dialer or BackendDialer()   # opens the streams to drafter replicas
         self.auto = auto            # `--mode auto`: plans each step's speculation, learns costs
         self.max_sequences = max_sequences
@@ -70,6 +73,7 @@ class Scheduler:
     def submit(self, r: ActiveRequest) -> None:
         if r.drafter is None or (r.auto and self.auto is None):
             r.mode, r.auto = Mode.OFF, False
+        r.queued_at_step = self.step_no
         self.pending.append(r)
         self.wakeup.set()
 
@@ -190,6 +194,11 @@ class Scheduler:
         return sorted(self.auto.holding | opening)
 
     def _admit(self) -> list[ActiveRequest]:
+        if not self.pending:
+            return []
+        running = sum(1 for r in self.active.values() if not (r.cancelled or r.opening or self.hold.held(r)))
+        if not self.admission.due(len(self.pending), self.step_no - self.pending[0].queued_at_step, running):
+            return []   # grouped with later arrivals (gateway/admission.py)
         opens = []
         batch = min(self.max_sequences, len(self.active) + len(self.pending))   # after this step's admissions
         while self.pending and len(self.active) < self.max_sequences:

@@ -7,6 +7,7 @@ import json
 
 from transformers import AutoTokenizer
 
+from gateway.admission import AdmissionPolicy
 from gateway.auth import BearerTokenInterceptor, BearerTokens
 from gateway.dialer import BackendDialer
 from gateway.hold import HoldGate
@@ -42,7 +43,7 @@ def run_gateway(cfg: GatewayConfig) -> None:
         await state.set_serving(False)
         router = Router(cfg.verifier, cfg.drafter, cfg.max_queue, eos_ids(tokenizer, cfg.tokenizer_dir),
                         HoldGate(cfg.test_hold_dir), cfg.test_auto_cycle, BackendDialer(cfg.backend_tls),
-                        cfg.backend_wait_seconds)
+                        cfg.backend_wait_seconds, AdmissionPolicy(cfg.admit_fraction, cfg.admit_max_wait_steps))
         log.info("waiting for backends", verifier=cfg.verifier, drafter=cfg.drafter)
         await router.wait_ready(BACKEND_WAIT_SECONDS)
         max_context, max_draft_tokens, max_sequences = router.limits()

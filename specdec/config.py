@@ -270,6 +270,8 @@ class GatewayConfig:
     auth_tokens: tuple[str, ...] = ()      # bearer tokens from SPECDEC_AUTH_TOKENS
     max_request_bytes: int = 4 * 1024 * 1024  # larger requests: RESOURCE_EXHAUSTED
     backend_wait_seconds: float = 10.0     # how long requests wait for a healthy verifier before UNAVAILABLE
+    admit_fraction: float = 0.125          # waiting prompts join a running batch once they are this share of it
+    admit_max_wait_steps: int = 4          # ... or once the oldest has waited this many steps (0: at once)
 
     @property
     def auth(self) -> bool:
@@ -310,6 +312,14 @@ class GatewayConfig:
         p.add_argument("--max-n", type=int, default=int(env("MAX_N", "64")),
                        help="most samples (Sampling.n) one request may ask for (env SPECDEC_MAX_N); also capped "
                             "by the verifier's KV slots")
+        p.add_argument("--admit-fraction", type=float, default=float(env("ADMIT_FRACTION", "0.125")),
+                       help="waiting prompts join a verifier's running batch once they number this share of its "
+                            "running requests (one step then takes in several: a step that takes in prompts has a "
+                            "fixed cost), or once the oldest has waited --admit-max-wait-steps steps "
+                            "(env SPECDEC_ADMIT_FRACTION)")
+        p.add_argument("--admit-max-wait-steps", type=int, default=int(env("ADMIT_MAX_WAIT_STEPS", "4")),
+                       help="most steps a prompt waits to be grouped with others (0: every prompt joins at the next "
+                            "step; env SPECDEC_ADMIT_MAX_WAIT_STEPS)")
         p.add_argument("--k", type=int, default=int(env("CHAIN_K", "4")), help="default chain draft length")
         p.add_argument("--topk", type=int, default=int(env("TREE_TOPK", "4")))
         p.add_argument("--depth", type=int, default=int(env("TREE_DEPTH", "4")))
@@ -324,6 +334,8 @@ class GatewayConfig:
     @classmethod
     def from_args(cls, a: argparse.Namespace, tokenizer_dir: Path) -> GatewayConfig:
         drafter = None if (a.drafter or "none").lower() == "none" else a.drafter
+        if a.admit_fraction < 0 or a.admit_max_wait_steps < 0:
+            raise SystemExit("--admit-fraction and --admit-max-wait-steps must be >= 0")
         if a.max_request_bytes < 1024:
             raise SystemExit(f"--max-request-bytes {a.max_request_bytes} is too small: at least 1024")
         return cls(a.listen, a.verifier, drafter, tokenizer_dir, a.max_queue, a.max_new_tokens,
@@ -333,4 +345,5 @@ class GatewayConfig:
                    tls=server_tls_from_args(a), backend_tls=backend_tls_from_args(a),
                    auth_tokens_file=Path(a.auth_tokens_file) if a.auth_tokens_file else None,
                    auth_tokens=tuple(t.strip() for t in (env("AUTH_TOKENS") or "").split(",") if t.strip()),
-                   max_request_bytes=a.max_request_bytes, backend_wait_seconds=a.backend_wait_seconds)
+                   max_request_bytes=a.max_request_bytes, backend_wait_seconds=a.backend_wait_seconds,
+                   admit_fraction=a.admit_fraction, admit_max_wait_steps=a.admit_max_wait_steps)

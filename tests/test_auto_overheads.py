@@ -37,6 +37,18 @@ def test_overheads_are_a_kinds_excess_per_admitted_prompt_without_its_largest_an
     assert o.per_admission(True, 32) == o.per_admission(False, 32) == 0.0
 
 
+def test_a_group_of_prompts_is_charged_with_the_steps_its_admission_slowed():
+    """Prompts admitted in groups (gateway/admission.py), as off's steps ran on the stand-ins at C = 64
+    (ms over the clean price): 9 prompts, a step they still slowed, steady steps, then 1 prompt and
+    its follow-up. Per prompt that is the whole excess over the 10 prompts; leaving out the step of
+    largest excess alone charged 22 ms to the one prompt left."""
+    o = StepOverheads(window=32, min_samples=8)
+    for excess_ms, admitted in [(0.4, 0), (27.0, 9), (7.0, 0), *[(0.0, 0)] * 6, (12.0, 1), (3.0, 0),
+                                *[(0.0, 0)] * 10]:
+        o.observe(False, 64, excess_ms / 1e3, admitted)
+    assert o.per_admission(False, 64) == pytest.approx(0.0049)   # (27 + 7 + 12 + 3) / 10; the 0.4 before: no prompt's
+
+
 def test_a_choice_admits_prompts_as_often_as_it_ends_requests():
     """Off at C = 32 with 64-token answers: a prompt every other step; a choice committing three
     tokens a request a step ends requests, and so admits prompts, three times as often. The rate

@@ -1,0 +1,103 @@
+"""Waiting prompts join a large running batch in groups (gateway/admission.py): a step that takes in
+prompts pays a fixed cost however many it takes. The rule alone, then a scheduler driven step by step
+over a stand-in verifier (mode off: one token a step)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.admission import AT_ONCE, AdmissionPolicy
+from gateway.request import ActiveRequest, GenerationRequest, Mode, SpecSettings
+from gateway.scheduler import Scheduler
+from specdec.rpc import verifier_pb2
+from specdec.sampling import GREEDY
+
+GROUPED = AdmissionPolicy(fraction=0.125, max_wait_steps=4)
+
+
+def test_a_small_batch_admits_a_prompt_at_once():
+    assert GROUPED.due(waiting=1, oldest_wait_steps=1, running=7)   # 1 >= 0.125 x 7
+    assert GROUPED.due(waiting=1, oldest_wait_steps=1, running=0)   # nothing running: nothing to group with
+
+
+def test_a_large_batch_admits_once_the_prompts_are_a_share_of_it_or_the_oldest_waited_long_enough():
+    assert not GROUPED.due(waiting=1, oldest_wait_steps=1, running=64)
+    assert not GROUPED.due(waiting=7, oldest_wait_steps=3, running=64)
+    assert GROUPED.due(waiting=8, oldest_wait_steps=1, running=64)
+    assert GROUPED.due(waiting=1, oldest_wait_steps=4, running=64)
+    assert not GROUPED.due(waiting=0, oldest_wait_steps=9, running=64)
+
+
+def test_without_a_wait_every_prompt_joins_the_next_step():
+    assert AT_ONCE.due(waiting=1, oldest_wait_steps=1, running=64)
+    assert AdmissionPolicy(fraction=0.5, max_wait_steps=0).due(waiting=1, oldest_wait_steps=1, running=64)
+
+
+class Detokenizer:
+    tokens_used = 0
+
+    def add(self, ids):
+        return "", False
+
+    def finish(self):
+        return ""
+
+
+class Verifier:
+    """Mode off: each open gets its first token, each verify one more; records what each step opened."""
+    address = "stand-in"
+
+    def __init__(self) -> None:
+        self.opened: list[list[str]] = []   # per step: the seq ids it admitted
+
+    async def step(self, msg):
+        self.opened.append([o.seq_id for o in msg.open])
+        resp = verifier_pb2.VerifyStepResponse(step=msg.step)
+        for o in msg.open:
+            resp.verdicts.add(seq_id=o.seq_id, committed_len=len(o.prompt_ids) + 1, accepted_ids=[7])
+        for v in msg.verify:
+            resp.verdicts.add(seq_id=v.seq_id, committed_len=v.committed_len + 1, accepted_ids=[7])
+        return resp
+
+    def reset(self) -> None:
+        pass
+
+
+def request(i: int) -> ActiveRequest:
+    req = GenerationRequest(f"r{i}", [1, 2, 3], 1000, [], False, SpecSettings(Mode.OFF), GREEDY)
+    return ActiveRequest(req=req, seq_id=f"s{i}", mode=Mode.OFF, detok=Detokenizer(), sampling=GREEDY)
+
+
+async def admitted_at(admission: AdmissionPolicy, running: int, arrivals: dict[int, int], steps: int) -> dict[str, int]:
+    """`running` requests in the batch, then `arrivals[t]` prompts submitted before step t (counted from
+    1 after the batch is running); -> each new prompt's seq id -> the step that admitted it."""
+    verifier = Verifier()
+    sched = Scheduler(verifier, 128, set(), admission=admission)
+    for i in range(running):
+        sched.submit(request(i))
+    await sched._step()   # all admitted at once: nothing was running
+    assert len(verifier.opened[-1]) == running
+    n = running
+    at: dict[str, int] = {}
+    for t in range(1, steps + 1):
+        for _ in range(arrivals.get(t, 0)):
+            sched.submit(request(n))
+            n += 1
+        await sched._step()
+        at.update({sid: t for sid in verifier.opened[-1]})
+    return at
+
+
+def test_the_scheduler_holds_a_lone_prompt_back_at_most_max_wait_steps_beside_a_large_batch():
+    at = asyncio.run(admitted_at(GROUPED, running=64, arrivals={1: 1, 2: 1, 3: 1}, steps=8))
+    assert at == {"s64": 4, "s65": 4, "s66": 4}   # one step takes in the three, when the first has waited 4
+
+
+def test_the_scheduler_admits_a_group_of_a_batchs_share_at_once():
+    at = asyncio.run(admitted_at(GROUPED, running=64, arrivals={2: 8}, steps=4))
+    assert set(at.values()) == {2} and len(at) == 8
+
+
+def test_the_scheduler_admits_at_once_beside_a_small_batch_or_without_grouping():
+    assert asyncio.run(admitted_at(GROUPED, running=4, arrivals={1: 1, 2: 1}, steps=3)) == {"s4": 1, "s5": 2}
+    assert asyncio.run(admitted_at(AT_ONCE, running=64, arrivals={1: 1, 2: 1}, steps=3)) == {"s64": 1, "s65": 2}
