@@ -167,6 +167,12 @@ class Scheduler:
             # The whole step after the plan: what the gateway does per step for a choice (draft
             # messages, tree packing, verdicts, emission) counts as much as the services' time.
             self.auto.observe_step(time.perf_counter() - started, draft[0], prefilling, len(opens))
+        # Where a step's time went, one line a step (SPECDEC_LOG_LEVEL=debug; scripts/auto_log_summary.py
+        # sums them by what the step did).
+        self.log.debug("scheduler step", batch=len(continuing), admitted=len(opens), drafting=len(need),
+                       predrafting=len(overlap), prefilling=prefilling, released=released,
+                       ms=round((time.perf_counter() - t0) * 1e3, 2), draft_ms=round(draft[0] * 1e3, 2),
+                       verify_ms=round(verify_rtt * 1e3, 2), predraft_ms=round(predraft[0] * 1e3, 2))
         self.tally.flush(time.perf_counter() - t0, waited, (verify_rtt, verdicts.engine_seconds), draft,
                          predraft[0])
 

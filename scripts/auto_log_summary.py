@@ -1,7 +1,8 @@
 """What `--mode auto` expected of its steps next to what they took and committed, per choice, from
 a gateway's debug log (SPECDEC_LOG_LEVEL=debug: one "auto step" line per measured step), and what
 the steps that admitted prompts took over their clean price per prompt, per kind (off,
-speculating), next to the figure auto charged a prompt ("auto admitting step" lines).
+speculating), next to the figure auto charged a prompt ("auto admitting step" lines), and where
+the scheduler's time went, by what its steps did ("scheduler step" lines, every request's mode).
 
     python scripts/auto_log_summary.py /tmp/logs/gateway.log [more logs]
 """
@@ -53,6 +54,36 @@ def admissions(lines) -> dict[str, Admissions]:
     return dict(out)
 
 
+@dataclass
+class StepKind:
+    steps: int = 0
+    ms: float = 0.0
+    longest_ms: float = 0.0
+    batch: int = 0               # summed over the steps
+
+
+def step_kind(f: dict) -> str:
+    admitted, batch = int(f["admitted"]), int(f["batch"])
+    if admitted:   # a wave: half the batch or more arrived at once
+        return "admitting a wave" if 2 * admitted >= batch + admitted else "admitting prompts"
+    if f["released"] == "True":
+        return "released (off, rows sent)"
+    return "speculating" if int(f["drafting"]) or int(f["predrafting"]) else "off"
+
+
+def step_kinds(lines) -> dict[str, StepKind]:
+    """'scheduler step' lines -> per kind of step: count, wall time, longest, batch."""
+    out: dict[str, StepKind] = defaultdict(StepKind)
+    for f in _events(lines, "scheduler step"):
+        k = out[step_kind(f)]
+        ms = float(f["ms"])
+        k.steps += 1
+        k.ms += ms
+        k.longest_ms = max(k.longest_ms, ms)
+        k.batch += int(f["batch"])
+    return dict(out)
+
+
 def summarize(lines) -> dict[str, ChoiceSteps]:
     """'auto step' lines -> per choice: steps, probes and the sums over the other steps."""
     out: dict[str, ChoiceSteps] = defaultdict(ChoiceSteps)
@@ -91,6 +122,14 @@ def main() -> None:
         for kind, a in sorted(taken.items()):
             print(f"| {kind} | {a.steps} | {a.admitted} | {a.excess_ms / max(1, a.admitted):.2f} | "
                   f"{a.charged_ms / a.steps:.2f} |")
+    kinds = step_kinds(lines)
+    if kinds:
+        total = sum(k.ms for k in kinds.values())
+        print("\n| scheduler steps | steps | seconds | share of the time | mean ms | longest ms | mean batch |")
+        print("|---|---|---|---|---|---|---|")
+        for name, k in sorted(kinds.items(), key=lambda kv: -kv[1].ms):
+            print(f"| {name} | {k.steps} | {k.ms / 1e3:.2f} | {k.ms / total:.0%} | {k.ms / k.steps:.2f} | "
+                  f"{k.longest_ms:.1f} | {k.batch / k.steps:.1f} |")
 
 
 if __name__ == "__main__":

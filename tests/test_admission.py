@@ -5,6 +5,8 @@ over a stand-in verifier (mode off: one token a step)."""
 from __future__ import annotations
 
 import asyncio
+import sys
+from pathlib import Path
 
 from gateway.admission import AT_ONCE, AdmissionPolicy
 from gateway.request import ActiveRequest, GenerationRequest, Mode, SpecSettings
@@ -68,11 +70,26 @@ def request(i: int) -> ActiveRequest:
     return ActiveRequest(req=req, seq_id=f"s{i}", mode=Mode.OFF, detok=Detokenizer(), sampling=GREEDY)
 
 
-async def admitted_at(admission: AdmissionPolicy, running: int, arrivals: dict[int, int], steps: int) -> dict[str, int]:
+class Log:
+    """Records the scheduler's debug lines as a log file would show them."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def debug(self, event: str, **kw) -> None:
+        self.lines.append(f"... [debug ] {event} " + " ".join(f"{k}={v}" for k, v in kw.items()))
+
+    info = warning = error = debug
+
+
+async def admitted_at(admission: AdmissionPolicy, running: int, arrivals: dict[int, int], steps: int,
+                      log: Log | None = None) -> dict[str, int]:
     """`running` requests in the batch, then `arrivals[t]` prompts submitted before step t (counted from
     1 after the batch is running); -> each new prompt's seq id -> the step that admitted it."""
     verifier = Verifier()
     sched = Scheduler(verifier, 128, set(), admission=admission)
+    if log is not None:
+        sched.log = log
     for i in range(running):
         sched.submit(request(i))
     await sched._step()   # all admitted at once: nothing was running
@@ -101,3 +118,14 @@ def test_the_scheduler_admits_a_group_of_a_batchs_share_at_once():
 def test_the_scheduler_admits_at_once_beside_a_small_batch_or_without_grouping():
     assert asyncio.run(admitted_at(GROUPED, running=4, arrivals={1: 1, 2: 1}, steps=3)) == {"s4": 1, "s5": 2}
     assert asyncio.run(admitted_at(AT_ONCE, running=64, arrivals={1: 1, 2: 1}, steps=3)) == {"s64": 1, "s65": 2}
+
+
+def test_each_steps_line_says_what_it_did_and_the_log_summary_sums_them_by_kind():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from auto_log_summary import step_kinds
+
+    log = Log()
+    asyncio.run(admitted_at(GROUPED, running=64, arrivals={1: 1, 2: 1}, steps=6, log=log))
+    kinds = step_kinds(log.lines)
+    assert {k: v.steps for k, v in kinds.items()} == {"admitting a wave": 1, "admitting prompts": 1, "off": 5}
+    assert kinds["admitting prompts"].batch == 64 and kinds["off"].batch == 64 * 3 + 66 * 2
