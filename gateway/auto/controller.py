@@ -365,9 +365,16 @@ class AutoController:
                     return
                 if self.catching_up:
                     seconds += self.costs.draft(len(plan.speculating), plan.choice.draft_shape) - draft_seconds
-                # What the policy expected of this step next to what it took and committed
-                # (SPECDEC_LOG_LEVEL=debug).
+                # What the policy expected of this step next to what it took and committed, and the
+                # best speculative plan it weighed (SPECDEC_LOG_LEVEL=debug).
+                rival = policy.last_rival
                 self.log.debug("auto step", choice=plan.choice.name, batch=plan.batch,
+                               rival=rival.choice.name if rival else None,
+                               rival_tokens_per_second=round(rival.tokens_per_second, 1) if rival else None,
+                               rival_ms=round(rival.seconds * 1e3, 2) if rival else None,
+                               rival_overhead_ms=round(rival.overhead * 1e3, 2) if rival else None,
+                               rival_tokens=round(rival.expected_tokens, 1) if rival else None,
+                               token_ratio=round(policy.tokens.ratio, 3),
                                speculating=len(plan.speculating), probe=plan.probe, caught_up=self.catching_up,
                                model_ms=round(plan.model_seconds * 1e3, 2), expected_ms=round(plan.seconds * 1e3, 2),
                                overhead_ms=round(plan.overhead * 1e3, 2), measured_ms=round(seconds * 1e3, 2),

@@ -156,6 +156,7 @@ class AutoPolicy:
         self.probe_interval = probe_start
         self.steps_off = 0
         self.last_off: Plan | None = None
+        self.last_rival: Plan | None = None   # the best speculative plan of the last choice (logged with it)
 
     def plan(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
              explore: bool = True, remaining: np.ndarray | None = None, steps: int = 1) -> Plan:
@@ -236,6 +237,7 @@ class AutoPolicy:
         the current choice's (if among them) unless the best is `switch_margin` better."""
         off = next((p for p in scored if p.choice == OFF), None)
         self.last_off = off   # (logged beside each new choice: what off was expected to give)
+        self.last_rival = max((p for p in scored if p.choice != OFF), key=lambda p: p.tokens_per_second, default=None)
         if off is not None:
             bar = off.tokens_per_second * (1 + self.speculation_margin)
             scored = [p for p in scored if p.choice == OFF or p.tokens_per_second >= bar]
