@@ -91,7 +91,8 @@ def test_each_measured_step_logs_what_it_expected_and_what_it_committed():
         if len(steps) > logged:   # a measured step: its line carries what it committed
             logged = len(steps)
             assert steps[-1]["tokens"] == len(r.tokens) - before, steps[-1]
-            assert {"choice", "expected_tokens", "expected_ms", "measured_ms"} <= steps[-1].keys()
+            assert {"choice", "expected_tokens", "expected_ms", "measured_ms", "rival", "rival_tokens_per_second",
+                    "token_ratio"} <= steps[-1].keys()
     assert logged >= 10
 
 
