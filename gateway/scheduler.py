@@ -220,6 +220,8 @@ class Scheduler:
                 r.rows_held = r.speculates and not r.scout and self.auto.holds_admissions(batch)
             self.active[r.seq_id] = r
             opens.append(r)
+        if self.auto is not None and opens and 2 * len(opens) >= len(self.active):
+            self.auto.wave_admitted()
         return opens
 
     # ---- drafting ----------------------------------------------------------------------------

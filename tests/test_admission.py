@@ -82,12 +82,42 @@ class Log:
     info = warning = error = debug
 
 
+class Auto:
+    """Stands in for `--mode auto`'s controller (the requests here run mode off): records the waves
+    the scheduler reports."""
+    hidden_states = False
+    holding: set = set()
+
+    def __init__(self) -> None:
+        self.waves: list[int] = []   # the step numbers that admitted a wave
+
+    def plan(self, continuing, prefilling) -> None:
+        pass
+
+    def take_parked(self) -> list:
+        return []
+
+    def observe_step(self, *args) -> None:
+        pass
+
+    def observe_verdict(self, *args) -> None:
+        pass
+
+    def forget(self, r) -> None:
+        pass
+
+    def wave_admitted(self) -> None:
+        self.waves.append(self.sched.step_no)
+
+
 async def admitted_at(admission: AdmissionPolicy, running: int, arrivals: dict[int, int], steps: int,
-                      log: Log | None = None) -> dict[str, int]:
+                      log: Log | None = None, auto: Auto | None = None) -> dict[str, int]:
     """`running` requests in the batch, then `arrivals[t]` prompts submitted before step t (counted from
     1 after the batch is running); -> each new prompt's seq id -> the step that admitted it."""
     verifier = Verifier()
-    sched = Scheduler(verifier, 128, set(), admission=admission)
+    sched = Scheduler(verifier, 128, set(), admission=admission, auto=auto)
+    if auto is not None:
+        auto.sched = sched
     if log is not None:
         sched.log = log
     for i in range(running):
@@ -129,3 +159,10 @@ def test_each_steps_line_says_what_it_did_and_the_log_summary_sums_them_by_kind(
     kinds = step_kinds(log.lines)
     assert {k: v.steps for k, v in kinds.items()} == {"admitting a wave": 1, "admitting prompts": 1, "off": 5}
     assert kinds["admitting prompts"].batch == 64 and kinds["off"].batch == 64 * 3 + 66 * 2
+
+
+def test_the_scheduler_tells_auto_when_it_admits_a_wave():
+    """Half the batch or more at once is a wave (auto leaves its steps out of what a prompt costs)."""
+    auto = Auto()
+    asyncio.run(admitted_at(AT_ONCE, running=8, arrivals={1: 2, 3: 10}, steps=4, auto=auto))
+    assert auto.waves == [1, 4]   # 8 into an empty batch (step 1); not 2 beside 8 (step 2); 10 beside 10 (step 4)
