@@ -14,6 +14,8 @@ from gateway.scheduler import Scheduler
 from specdec.rpc import verifier_pb2
 from specdec.sampling import GREEDY
 
+from null_detokenizer import NullDetokenizer
+
 GROUPED = AdmissionPolicy(fraction=0.125, max_wait_steps=4)
 
 
@@ -33,16 +35,6 @@ def test_a_large_batch_admits_once_the_prompts_are_a_share_of_it_or_the_oldest_w
 def test_without_a_wait_every_prompt_joins_the_next_step():
     assert AT_ONCE.due(waiting=1, oldest_wait_steps=1, running=64)
     assert AdmissionPolicy(fraction=0.5, max_wait_steps=0).due(waiting=1, oldest_wait_steps=1, running=64)
-
-
-class Detokenizer:
-    tokens_used = 0
-
-    def add(self, ids):
-        return "", False
-
-    def finish(self):
-        return ""
 
 
 class Verifier:
@@ -67,7 +59,7 @@ class Verifier:
 
 def request(i: int) -> ActiveRequest:
     req = GenerationRequest(f"r{i}", [1, 2, 3], 1000, [], False, SpecSettings(Mode.OFF), GREEDY)
-    return ActiveRequest(req=req, seq_id=f"s{i}", mode=Mode.OFF, detok=Detokenizer(), sampling=GREEDY)
+    return ActiveRequest(req=req, seq_id=f"s{i}", mode=Mode.OFF, detok=NullDetokenizer(), sampling=GREEDY)
 
 
 class Log:

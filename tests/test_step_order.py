@@ -15,18 +15,10 @@ from gateway.scheduler import Scheduler
 from specdec.rpc import common_pb2, drafter_pb2, verifier_pb2
 from specdec.sampling import GREEDY
 
+from null_detokenizer import NullDetokenizer
+
 PROMPT = [1, 2, 3]
 NEW_TOKENS = 12
-
-
-class Detokenizer:
-    tokens_used = 0
-
-    def add(self, ids):
-        return "", False
-
-    def finish(self):
-        return ""
 
 
 class Client:
@@ -87,7 +79,7 @@ class Drafter(Backend):
 
 async def serve(mode: Mode) -> list[tuple[str, int, int]]:
     req = GenerationRequest("r", PROMPT, NEW_TOKENS, [], False, SpecSettings(mode, k=2, overlap=False), GREEDY)
-    r = ActiveRequest(req=req, seq_id="s0", mode=mode, detok=Detokenizer(), sampling=GREEDY,
+    r = ActiveRequest(req=req, seq_id="s0", mode=mode, detok=NullDetokenizer(), sampling=GREEDY,
                       drafter=None if mode == Mode.OFF else Drafter.address)
     client = Client(r)
     verifier, drafter = Verifier(r, client), Drafter(r, client)
