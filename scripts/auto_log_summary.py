@@ -5,6 +5,7 @@ speculating), next to the figure auto charged a prompt ("auto admitting step" li
 the scheduler's time went, by what its steps did ("scheduler step" lines, every request's mode).
 
     python scripts/auto_log_summary.py /tmp/logs/gateway.log [more logs]
+    python scripts/auto_log_summary.py --by-mode /tmp/w/gateway-a0.8.log   # a sweep's gateway: each mode apart
 """
 
 from __future__ import annotations
@@ -84,6 +85,37 @@ def step_kinds(lines) -> dict[str, StepKind]:
     return dict(out)
 
 
+def by_mode(lines) -> dict[str, list[str]]:
+    """The lines of a benchmark's log (one mode at a time through the gateway, as benchmarks/sweep.py
+    runs them) by the mode of the requests then running and how many started in a row: "auto x 320"
+    holds every run of auto whose requests came 320 in a row (one C of the sweep)."""
+    blocks: list[tuple[str, int, list[str]]] = []
+    for line in lines:
+        if "request started" in line:
+            mode = dict(_FIELD.findall(line)).get("mode", "?")
+            if not blocks or blocks[-1][0] != mode:
+                blocks.append((mode, 0, []))
+            blocks[-1] = (mode, blocks[-1][1] + 1, blocks[-1][2])
+        if blocks:
+            blocks[-1][2].append(line)
+    out: dict[str, list[str]] = defaultdict(list)
+    for mode, started, block in blocks:
+        out[f"{mode} x {started}"] += block
+    return dict(out)
+
+
+def print_step_kinds(lines, title: str = "scheduler steps") -> None:
+    kinds = step_kinds(lines)
+    if not kinds:
+        return
+    total = sum(k.ms for k in kinds.values())
+    print(f"\n| {title} | steps | seconds | share of the time | mean ms | longest ms | mean batch |")
+    print("|---|---|---|---|---|---|---|")
+    for name, k in sorted(kinds.items(), key=lambda kv: -kv[1].ms):
+        print(f"| {name} | {k.steps} | {k.ms / 1e3:.2f} | {k.ms / total:.0%} | {k.ms / k.steps:.2f} | "
+              f"{k.longest_ms:.1f} | {k.batch / k.steps:.1f} |")
+
+
 def summarize(lines) -> dict[str, ChoiceSteps]:
     """'auto step' lines -> per choice: steps, probes and the sums over the other steps."""
     out: dict[str, ChoiceSteps] = defaultdict(ChoiceSteps)
@@ -103,9 +135,11 @@ def summarize(lines) -> dict[str, ChoiceSteps]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("logs", nargs="+")
-    a = p.parse_args()
+    p.add_argument("--by-mode", action="store_true",
+                   help="the scheduler's steps apart for each mode and run length (see by_mode)")
+    args = p.parse_args()
     lines = []
-    for path in a.logs:
+    for path in args.logs:
         with open(path, errors="replace") as f:
             lines += f.readlines()
     rows = summarize(lines)
@@ -122,14 +156,11 @@ def main() -> None:
         for kind, a in sorted(taken.items()):
             print(f"| {kind} | {a.steps} | {a.admitted} | {a.excess_ms / max(1, a.admitted):.2f} | "
                   f"{a.charged_ms / a.steps:.2f} |")
-    kinds = step_kinds(lines)
-    if kinds:
-        total = sum(k.ms for k in kinds.values())
-        print("\n| scheduler steps | steps | seconds | share of the time | mean ms | longest ms | mean batch |")
-        print("|---|---|---|---|---|---|---|")
-        for name, k in sorted(kinds.items(), key=lambda kv: -kv[1].ms):
-            print(f"| {name} | {k.steps} | {k.ms / 1e3:.2f} | {k.ms / total:.0%} | {k.ms / k.steps:.2f} | "
-                  f"{k.longest_ms:.1f} | {k.batch / k.steps:.1f} |")
+    if args.by_mode:
+        for label, block in sorted(by_mode(lines).items()):
+            print_step_kinds(block, f"steps of {label}")
+    else:
+        print_step_kinds(lines)
 
 
 if __name__ == "__main__":

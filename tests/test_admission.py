@@ -158,3 +158,25 @@ def test_the_scheduler_tells_auto_when_it_admits_a_wave():
     auto = Auto()
     asyncio.run(admitted_at(AT_ONCE, running=8, arrivals={1: 2, 3: 10}, steps=4, auto=auto))
     assert auto.waves == [1, 4]   # 8 into an empty batch (step 1); not 2 beside 8 (step 2); 10 beside 10 (step 4)
+
+
+def test_the_log_summary_keeps_each_modes_steps_apart():
+    """A sweep runs one mode at a time through one gateway: the summary splits its steps by the mode of
+    the requests started last and how many started in a row."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from auto_log_summary import by_mode, step_kinds
+
+    def started(mode):
+        return f"... [info ] request started drafter=d max_new_tokens=64 mode={mode} n=1 request_id=r"
+
+    def step(admitted, drafting):
+        return (f"... [debug ] scheduler step admitted={admitted} batch=4 draft_ms=1 drafting={drafting} ms=10 "
+                f"predraft_ms=0 predrafting=0 prefilling=False released=False verify_ms=9")
+
+    lines = [started("off"), started("off"), step(2, 0), step(0, 0),
+             started("chain"), started("chain"), step(0, 4), step(0, 4), step(0, 4),
+             started("off"), started("off"), step(0, 0)]
+    blocks = by_mode(lines)
+    assert set(blocks) == {"off x 2", "chain x 2"}
+    assert {k: v.steps for k, v in step_kinds(blocks["off x 2"]).items()} == {"admitting prompts": 1, "off": 2}
+    assert {k: v.steps for k, v in step_kinds(blocks["chain x 2"]).items()} == {"speculating": 3}
