@@ -19,7 +19,7 @@ from specdec.sampling_params import GREEDY
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
-def test_overheads_are_a_kinds_excess_per_admitted_prompt_without_its_largest_and_borrow_offs():
+def test_overheads_are_a_kinds_excess_per_admitted_prompt_and_borrow_offs():
     o = StepOverheads(window=32, min_samples=8)
     for _ in range(7):
         o.observe(False, 32, 0.002, 1)
@@ -28,9 +28,9 @@ def test_overheads_are_a_kinds_excess_per_admitted_prompt_without_its_largest_an
     assert o.per_admission(False, 32) == pytest.approx(0.002)
     assert o.per_admission(True, 32) == pytest.approx(0.002)  # speculation borrows off's until measured
     assert o.per_admission(False, 4) == 0.0                   # another batch bucket
-    for excess, admitted in ((0.0, 0), (0.020, 4)) * 4 + ((0.5, 32),):   # four prompts every other step; a wave
+    for excess, admitted in ((0.0, 0), (0.020, 4)) * 4 + ((0.5, 32),):   # four prompts every other step, 32
         o.observe(True, 30, excess, admitted)
-    assert o.per_admission(True, 32) == pytest.approx(0.005)
+    assert o.per_admission(True, 32) == pytest.approx(0.58 / 48)
     assert o.per_admission(False, 32) == pytest.approx(0.002)
     for _ in range(513):                                      # a spell of other buckets: old figures expire
         o.tick()
@@ -171,6 +171,8 @@ def closed_loop(auto: AutoController, steps: int, fixed: Mode | None = None, k: 
     opened, tokens, seconds = BATCH, 0, 0.0
     for step in range(steps):
         admitted, opened_now = opened, opened
+        if 2 * opened_now >= BATCH:   # as the scheduler reports a wave
+            auto.wave_admitted()
         auto.plan(reqs, prefilling=admitted > 0)
         if fixed is not None:
             for r in reqs:

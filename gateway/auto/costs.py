@@ -172,8 +172,8 @@ class StepOverheads:
     H200 closed loop at a = 0.8, C = 32, chain k=4's clean steps took ~28 ms and its steps ~37 ms on
     average, while mode off's lockstep clients admitted their prompts together, one step in 64. So
     this measures the excess per admitted prompt (the verifier's prefill, a drafter's catch-up) from
-    the last `window` steps of the kind that measured choices ran, a wave of prompts at once (half
-    a batch or more) left out (it is not the rule; see _arrival_groups), and the policy multiplies it by the
+    the last `window` steps of the kind that measured choices ran (a wave of prompts at once, not the
+    rule, is not observed: AutoController.wave_admitted), and the policy multiplies it by the
     admissions a step it expects of the choice (AdmissionRate). Earlier this was the mean excess a
     step: a figure measured in one spell kept its kind's price while the kind did not run (on the
     H100 at C = 32, off priced at 1,854 tok/s from a spell right after a wave began, where off ran
@@ -210,7 +210,7 @@ class StepOverheads:
         for key in ((speculating, b), (False, b)):
             recent = [(x, n) for step, x, n in self.samples.get(key, ()) if self.steps - step <= self.max_age]
             if len(recent) >= self.min_samples:
-                groups = [g for g in _arrival_groups(recent) if 2 * g[1] < b]   # waves left out
+                groups = _arrival_groups(recent)
                 admitted = sum(n for _, n in groups)
                 return max(0.0, sum(x for x, _ in groups)) / admitted if admitted else 0.0
         return 0.0
@@ -220,11 +220,11 @@ def _arrival_groups(samples: list[tuple[float, int]]) -> list[tuple[float, int]]
     """(excess s, admitted) per step -> per admitting step, its excess with that of the steps after it
     up to the next admission: a prompt's cost can outlast its step (a long prompt prefills in
     chunks; a drafter takes in its hidden states when it first drafts). Steps before the window's
-    first admission belong to a group that left the window and are left out. The caller leaves out
-    a wave (a group of half a batch or more) with its steps: the step of largest excess alone was
-    left out before, and on the stand-ins at C = 64 with prompts admitted in groups (several a step)
-    that removed a group of 9 and charged the excess of the steps after it to the one prompt left:
-    22 ms a prompt where the steps took 4.9 ms a prompt (off priced at 1,845 tok/s, run at ~4,000)."""
+    first admission belong to a group that left the window and are left out. (The step of largest
+    excess alone was left out before, as a wave; with prompts admitted several a step, on the
+    stand-ins at C = 64, that removed a group of 9 and charged the excess of the steps after it to
+    the one prompt left: 22 ms a prompt where the steps took 4.9 ms, and off priced at 1,845 tok/s
+    where it ran ~4,000.)"""
     groups: list[list] = []
     for excess, admitted in samples:
         if admitted:
