@@ -32,3 +32,10 @@ class AdmissionPolicy:
 
 
 AT_ONCE = AdmissionPolicy()
+
+
+def is_wave(admitted: int, batch: int) -> bool:
+    """A step that admits `admitted` prompts into a batch of `batch` sequences (the prompts included)
+    takes in a wave: half the batch or more at once (auto leaves its steps out of what a prompt
+    costs; the log summary counts it apart)."""
+    return admitted > 0 and 2 * admitted >= batch

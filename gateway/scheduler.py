@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from gateway import metrics
-from gateway.admission import AT_ONCE, AdmissionPolicy
+from gateway.admission import AT_ONCE, AdmissionPolicy, is_wave
 from gateway.auto.controller import AutoController, draft_family
 from gateway.backends import BackendLost, StepStream
 from gateway.dialer import BackendDialer
@@ -220,7 +220,7 @@ class Scheduler:
                 r.rows_held = r.speculates and not r.scout and self.auto.holds_admissions(batch)
             self.active[r.seq_id] = r
             opens.append(r)
-        if self.auto is not None and opens and 2 * len(opens) >= len(self.active):
+        if self.auto is not None and is_wave(len(opens), len(self.active)):
             self.auto.wave_admitted()
         return opens
 

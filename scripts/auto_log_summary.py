@@ -15,6 +15,8 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
+from gateway.admission import is_wave
+
 _FIELD = re.compile(r"(\w+)=('[^']*'|\S+)")
 
 
@@ -65,8 +67,8 @@ class StepKind:
 
 def step_kind(f: dict) -> str:
     admitted, batch = int(f["admitted"]), int(f["batch"])
-    if admitted:   # a wave: half the batch or more arrived at once
-        return "admitting a wave" if 2 * admitted >= batch + admitted else "admitting prompts"
+    if admitted:   # (batch: the requests the step continued; the prompts join them)
+        return "admitting a wave" if is_wave(admitted, batch + admitted) else "admitting prompts"
     if f["released"] == "True":
         return "released (off, rows sent)"
     return "speculating" if int(f["drafting"]) or int(f["predrafting"]) else "off"
