@@ -36,6 +36,5 @@ AT_ONCE = AdmissionPolicy()
 
 def is_wave(admitted: int, batch: int) -> bool:
     """A step that admits `admitted` prompts into a batch of `batch` sequences (the prompts included)
-    takes in a wave: half the batch or more at once (auto leaves its steps out of what a prompt
-    costs; the log summary counts it apart)."""
+    takes in a wave: half the batch or more at once (the log summary counts its steps apart)."""
     return admitted > 0 and 2 * admitted >= batch

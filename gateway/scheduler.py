@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from gateway import metrics
-from gateway.admission import AT_ONCE, AdmissionPolicy, is_wave
+from gateway.admission import AT_ONCE, AdmissionPolicy
 from gateway.auto.controller import AutoController, draft_family
 from gateway.backends import BackendLost, StepStream
 from gateway.dialer import BackendDialer
@@ -163,10 +163,11 @@ class Scheduler:
         predraft = await predrafts if predrafts is not None else (0.0, 0.0)
         waited = time.perf_counter() - started   # for the drafts, then the verify (and pre-drafts)
         self._apply_verdicts(verdicts)
-        if self.auto is not None and continuing and not released:
+        if self.auto is not None and (continuing or opens or prefilling) and not released:
             # The whole step after the plan: what the gateway does per step for a choice (draft
             # messages, tree packing, verdicts, emission) counts as much as the services' time.
-            self.auto.observe_step(time.perf_counter() - started, draft[0], prefilling, len(opens))
+            self.auto.observe_step(time.perf_counter() - started, draft[0], prefilling, len(opens),
+                                   len(self.active))
         # Where a step's time went, one line a step (SPECDEC_LOG_LEVEL=debug; scripts/auto_log_summary.py
         # sums them by what the step did).
         self.log.debug("scheduler step", batch=len(continuing), admitted=len(opens), drafting=len(need),
@@ -220,8 +221,6 @@ class Scheduler:
                 r.rows_held = r.speculates and not r.scout and self.auto.holds_admissions(batch)
             self.active[r.seq_id] = r
             opens.append(r)
-        if self.auto is not None and is_wave(len(opens), len(self.active)):
-            self.auto.wave_admitted()
         return opens
 
     # ---- drafting ----------------------------------------------------------------------------
@@ -407,7 +406,7 @@ class Scheduler:
         released = list(self.active.values()) + list(self.pending)
         for r in released:
             if self.auto is not None:
-                self.auto.forget(r)
+                self.auto.forget(r, ended=False)
             self.on_done(r)
             r.seq_id, r.prefill_leader = uuid.uuid4().hex, ""
             r.draft = r.predraft = None

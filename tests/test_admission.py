@@ -75,13 +75,13 @@ class Log:
 
 
 class Auto:
-    """Stands in for `--mode auto`'s controller (the requests here run mode off): records the waves
+    """Stands in for `--mode auto`'s controller (the requests here run mode off): records the steps
     the scheduler reports."""
     hidden_states = False
     holding: set = set()
 
     def __init__(self) -> None:
-        self.waves: list[int] = []   # the step numbers that admitted a wave
+        self.steps: list[tuple[int, int, int]] = []   # (step number, prompts admitted, batch after them)
 
     def plan(self, continuing, prefilling) -> None:
         pass
@@ -89,17 +89,14 @@ class Auto:
     def take_parked(self) -> list:
         return []
 
-    def observe_step(self, *args) -> None:
-        pass
+    def observe_step(self, seconds, draft_seconds, prefilling, admitted, active) -> None:
+        self.steps.append((self.sched.step_no, admitted, active))
 
     def observe_verdict(self, *args) -> None:
         pass
 
-    def forget(self, r) -> None:
+    def forget(self, r, ended: bool = True) -> None:
         pass
-
-    def wave_admitted(self) -> None:
-        self.waves.append(self.sched.step_no)
 
 
 async def admitted_at(admission: AdmissionPolicy, running: int, arrivals: dict[int, int], steps: int,
@@ -153,11 +150,13 @@ def test_each_steps_line_says_what_it_did_and_the_log_summary_sums_them_by_kind(
     assert kinds["admitting prompts"].batch == 64 and kinds["off"].batch == 64 * 3 + 66 * 2
 
 
-def test_the_scheduler_tells_auto_when_it_admits_a_wave():
-    """Half the batch or more at once is a wave (auto leaves its steps out of what a prompt costs)."""
+def test_the_scheduler_tells_auto_what_each_step_took_in_and_the_batch_it_joined():
+    """Auto charges a step's excess to the prompts it admitted, at the batch they join (StepOverheads):
+    the scheduler reports every step that ran requests or took in prompts, a wave into an empty
+    batch included (clients that mode off keeps in lockstep admit nothing else)."""
     auto = Auto()
     asyncio.run(admitted_at(AT_ONCE, running=8, arrivals={1: 2, 3: 10}, steps=4, auto=auto))
-    assert auto.waves == [1, 4]   # 8 into an empty batch (step 1); not 2 beside 8 (step 2); 10 beside 10 (step 4)
+    assert auto.steps == [(1, 8, 8), (2, 2, 10), (3, 0, 10), (4, 10, 20), (5, 0, 20)]
 
 
 def test_the_log_summary_keeps_each_modes_steps_apart():

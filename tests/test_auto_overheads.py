@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gateway.auto.controller import WARMUP_STEPS as WARMUP, AutoController, draft_family
-from gateway.auto.costs import AdmissionRate, StepOverheads
+from gateway.auto.costs import RequestLengths, StepOverheads
 from gateway.auto.policy import OFF, Choice, Plan
 from gateway.request import ActiveRequest, GenerationRequest, Mode, SpecSettings
 from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, VERIFY_WIDTHS, StepCost, chain_shape, tree_shape
@@ -20,17 +20,19 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def test_overheads_are_a_kinds_excess_per_admitted_prompt_and_borrow_offs():
-    o = StepOverheads(window=32, min_samples=8)
+    o = StepOverheads(window=16, min_prompts=8)
     for _ in range(7):
-        o.observe(False, 32, 0.002, 1)
-    assert o.per_admission(False, 32) == 0.0                 # too few steps yet
-    o.observe(False, 32, 0.002, 1)
+        o.observe(False, 32, 0.002, 1, prefilling=True)
+    assert o.per_admission(False, 32) == 0.0                 # too few prompts yet
+    o.observe(False, 32, 0.002, 1, prefilling=True)
     assert o.per_admission(False, 32) == pytest.approx(0.002)
     assert o.per_admission(True, 32) == pytest.approx(0.002)  # speculation borrows off's until measured
     assert o.per_admission(False, 4) == 0.0                   # another batch bucket
-    for excess, admitted in ((0.0, 0), (0.020, 4)) * 4 + ((0.5, 32),):   # four prompts every other step, 32
-        o.observe(True, 30, excess, admitted)
-    assert o.per_admission(True, 32) == pytest.approx(0.58 / 48)
+    for excess, admitted in ((0.0, 0), (0.020, 4)) * 4:   # four prompts every other step, a batch of 32
+        o.observe(True, 32, excess, admitted, prefilling=admitted > 0)
+    o.observe(True, 62, 0.5, 32, prefilling=True)             # 32 joining 30: the bucket of 64
+    assert o.per_admission(True, 32) == pytest.approx(0.08 / 16)
+    assert o.per_admission(True, 64) == pytest.approx(0.5 / 32)
     assert o.per_admission(False, 32) == pytest.approx(0.002)
     for _ in range(513):                                      # a spell of other buckets: old figures expire
         o.tick()
@@ -40,61 +42,44 @@ def test_overheads_are_a_kinds_excess_per_admitted_prompt_and_borrow_offs():
 def test_a_group_of_prompts_is_charged_with_the_steps_its_admission_slowed():
     """Prompts admitted in groups (gateway/admission.py), as off's steps ran on the stand-ins at C = 64
     (ms over the clean price): 9 prompts, a step they still slowed, steady steps, then 1 prompt and
-    its follow-up. Per prompt that is the whole excess over the 10 prompts; leaving out the step of
-    largest excess alone charged 22 ms to the one prompt left."""
-    o = StepOverheads(window=32, min_samples=8)
-    for excess_ms, admitted in [(0.4, 0), (27.0, 9), (7.0, 0), *[(0.0, 0)] * 6, (12.0, 1), (3.0, 0),
-                                *[(0.0, 0)] * 10]:
-        o.observe(False, 64, excess_ms / 1e3, admitted)
-    assert o.per_admission(False, 64) == pytest.approx(0.0049)   # (27 + 7 + 12 + 3) / 10; the 0.4 before: no prompt's
+    its follow-up. Per prompt that is the excess of each group's steps over the 10 prompts; leaving
+    out the step of largest excess alone charged 22 ms to the one prompt left."""
+    o = StepOverheads(window=16, min_prompts=8)
+    for excess_ms, admitted in [(0.4, 0), (27.0, 9), (7.0, 0), *[(0.5, 0)] * 6, (12.0, 1), (3.0, 0),
+                                *[(-0.5, 0)] * 10]:
+        o.observe(False, 60, excess_ms / 1e3, admitted, prefilling=admitted > 0)
+    assert o.per_admission(False, 64) == pytest.approx(0.0049)   # (27 + 7 + 12 + 3) / 10; the steady steps: none's
 
 
-def test_a_waves_steps_are_not_charged_to_the_prompts_of_another_group():
-    """A wave admitted beside few running requests: its chunked prefill slows the next steps, run at a
-    full batch, and the drafter's first feed of its prompts the step after. Those steps are the
-    wave's (left out), not the cost of the last group of prompts admitted at that batch size (on the
-    H100 they made chain k=4's prompts cost 24 ms each, where they cost 3-4)."""
-    auto = controller()
-    reqs = [new_request(i) for i in range(32)]
-
-    def step(excess: float, prefilling: bool = False, admitted: int = 0) -> None:
-        auto.plan(reqs, prefilling=prefilling)
-        for r in reqs:   # every draft accepted whole
-            depth = r.settings.k if r.mode == Mode.CHAIN else r.settings.depth if r.mode == Mode.TREE else 0
-            r.draft_family = draft_family(r.settings, r.mode)
-            auto.observe_verdict(r, depth, depth)
-        (_, plan, _), = auto.step_plans
-        auto.observe_step(plan.seconds + excess, prefilling=prefilling, admitted=admitted)
-
-    for _ in range(WARMUP + 12):
-        step(0.0)
-    policy = auto.policies[True]
-    assert policy.current != OFF   # (every draft passes: the steps below are speculation's)
-    for _ in range(3):
-        step(0.016, prefilling=True, admitted=4)   # a group of 4 prompts: 4 ms each
-        for _ in range(4):
-            step(0.0)
-    auto.wave_admitted()
-    step(0.050, prefilling=True)
-    step(0.050, prefilling=True)
-    step(0.030)          # the wave's first drafts
-    for _ in range(4):
-        step(0.0)
-    assert policy.overheads.per_admission(True, 32) == pytest.approx(0.004)
+def test_a_group_takes_the_steps_that_prefill_its_prompts_and_a_wave_is_a_group():
+    """A wave admitted beside a few running requests: its chunked prefill slows the next steps, and the
+    drafter's first feed of its prompts the step after. Those steps are the wave's, at the batch it
+    joins, not the cost of the group of prompts admitted before it (on the H100 that charged chain
+    k=4's prompts 24 ms each, where they cost 3-4); and a wave's prompts cost what they cost (left
+    out, they priced mode off, whose lockstep clients admit nothing but waves, at its clean steps)."""
+    o = StepOverheads(window=16, min_prompts=8)
+    for _ in range(3):   # groups of 4 prompts beside 28 requests, 4 ms each, the step after included
+        o.observe(True, 32, 0.012, 4, prefilling=True)
+        o.observe(True, 32, 0.004, 0, prefilling=False)
+        o.observe(True, 32, 0.001, 0, prefilling=False)   # past the group: noise, nobody's
+    o.observe(True, 32, 0.050, 28, prefilling=True)         # a wave of 28 beside 4 running
+    o.observe(True, 32, 0.050, 0, prefilling=True)          # its chunks
+    o.observe(True, 32, 0.030, 0, prefilling=False)         # the wave's first drafts
+    o.observe(True, 32, 0.001, 0, prefilling=False)
+    assert o.per_admission(True, 32) == pytest.approx((3 * 0.016 + 0.130) / 40)
 
 
 def test_a_choice_admits_prompts_as_often_as_it_ends_requests():
-    """Off at C = 32 with 64-token answers: a prompt every other step; a choice committing three
-    tokens a request a step ends requests, and so admits prompts, three times as often. The rate
-    follows the last `window` steps."""
-    rate = AdmissionRate(window=8)
-    assert rate.admissions(3.0) == 0.0
-    for admitted in (1, 0) * 4:
-        rate.observe(admitted, 32, 32)
-    assert rate.admissions(1.0) == pytest.approx(0.5) and rate.admissions(3.0) == pytest.approx(1.5)
-    for admitted in (2, 1) * 4:   # speculation now stands: 3 tokens a request, 1.5 prompts a step
-        rate.observe(admitted, 96, 32)
-    assert rate.admissions(1.0) == pytest.approx(0.5) and rate.admissions(3.0) == pytest.approx(1.5)
+    """64-token answers: a choice committing 32 tokens a step ends (and so admits) half a request a
+    step, one committing 96 three times as many. The mean follows the last `window` requests."""
+    lengths = RequestLengths(window=4)
+    assert lengths.admissions(32.0) == 0.0   # until a request ended
+    for n in (60, 68, 64, 64):
+        lengths.observe(n)
+    assert lengths.admissions(32.0) == pytest.approx(0.5) and lengths.admissions(96.0) == pytest.approx(1.5)
+    for _ in range(4):   # longer answers now
+        lengths.observe(128)
+    assert lengths.admissions(32.0) == pytest.approx(0.25)
 
 
 def test_a_choices_overhead_is_its_admissions_times_its_kinds_cost_per_prompt():
@@ -109,9 +94,9 @@ def test_a_choices_overhead_is_its_admissions_times_its_kinds_cost_per_prompt():
     policy.current = OFF
     off = Plan(OFF, [], 1000.0, batch=32, seconds=0.0085)
     for _ in range(16):   # a burst: 8 prompts in every step, 2 ms each
-        policy.observe_overhead(off, 0.0085 + 0.016, admitted=8)
-    for admitted in (1, 0) * 32:   # then the steady state: a prompt every other step
-        policy.admissions.observe(admitted, 32, 32)
+        policy.observe_overhead(off, 0.0085 + 0.016, 8, True, 32)
+    for _ in range(8):    # 64-token answers: at 32 tokens a step, a prompt every other step
+        policy.lengths.observe(64)
     assert policy._overhead(False, 32, 32.0) == pytest.approx(0.5 * 0.002)
     assert policy._overhead(True, 32, 128.0) == pytest.approx(4 * 0.5 * 0.002)   # borrowed cost, 4x the prompts
 
@@ -127,11 +112,11 @@ def test_off_steps_taken_while_speculation_stands_do_not_price_off():
     slow_off = Plan(OFF, [], 1000.0, batch=32, seconds=0.0085)
     policy.current = Choice(Mode.CHAIN, 4)
     for _ in range(16):
-        policy.observe_overhead(slow_off, 0.0085 + 0.0075, admitted=1)
+        policy.observe_overhead(slow_off, 0.0085 + 0.0075, 1, True, 32)
     assert policy.overheads.per_admission(False, 32) == 0.0
     policy.current = OFF   # off standing: its steps, prompts and all, are off's
     for _ in range(16):
-        policy.observe_overhead(slow_off, 0.0085 + 0.0075, admitted=1)
+        policy.observe_overhead(slow_off, 0.0085 + 0.0075, 1, True, 32)
     assert policy.overheads.per_admission(False, 32) == pytest.approx(0.0075)
 
 
@@ -171,8 +156,6 @@ def closed_loop(auto: AutoController, steps: int, fixed: Mode | None = None, k: 
     opened, tokens, seconds = BATCH, 0, 0.0
     for step in range(steps):
         admitted, opened_now = opened, opened
-        if 2 * opened_now >= BATCH:   # as the scheduler reports a wave
-            auto.wave_admitted()
         auto.plan(reqs, prefilling=admitted > 0)
         if fixed is not None:
             for r in reqs:
@@ -192,10 +175,11 @@ def closed_loop(auto: AutoController, steps: int, fixed: Mode | None = None, k: 
         clean = (TREE_STEP if Mode.TREE in modes else
                  OFF_STEP + token_draft * max((r.settings.k for r in reqs if r.mode == Mode.CHAIN), default=0))
         took = clean + extras[speculating] * (opened_now > 0)
-        auto.observe_step(took, prefilling=admitted > 0, admitted=opened_now)
+        auto.observe_step(took, prefilling=admitted > 0, admitted=opened_now, active=BATCH)
         opened = 0
         for i, r in enumerate(reqs):
             if left[r.seq_id] <= 0:   # its client sends the next one at once
+                r.tokens = [0] * (len(r.req.prompt_ids) + LENGTH)
                 auto.forget(r)
                 reqs[i] = new_request(BATCH * (step + 1) + i)
                 left[reqs[i].seq_id] = LENGTH
@@ -219,6 +203,33 @@ def test_auto_sees_what_the_steps_of_each_kind_really_take(lockstep):
     assert clean_chain > 1.05 * clean_off            # ... though clean steps alone say chain k=4
     got = closed_loop(controller(), 1500, lockstep=lockstep)
     assert got >= 0.95 * off
+
+
+def test_off_in_lockstep_is_priced_with_its_waves_all_cycle_long():
+    """Clients that mode off keeps in lockstep: once every answer's length, the batch empties and a
+    wave of their prompts comes in (4 ms each), then clean steps. Off's price must carry its half a
+    prompt a step (2 ms) at every step of the cycle. With waves left out, and admissions counted
+    over a window of steps (which held a wave or none), off was priced at its clean steps: H100,
+    C = 32, 3,200 tok/s where off ran 2,440, and auto ran off at 0.92x of chain k=4."""
+    auto = controller()
+    reqs = [new_request(i) for i in range(BATCH)]
+    auto.plan(reqs)
+    policy = auto.policies[True]
+    charges = []
+    for cycle in range(3):
+        auto.plan([])   # nothing running: the wave is the step's only work
+        auto.observe_step(BATCH * 0.004, prefilling=True, admitted=BATCH, active=BATCH)
+        for _ in range(LENGTH - 1):
+            auto.plan(reqs)
+            (_, plan, _), = auto.step_plans
+            auto.observe_step(plan.seconds, active=BATCH)   # clean steps, at their price
+            charges.append(policy._overhead(False, BATCH, float(BATCH)))
+        for i, r in enumerate(reqs):
+            r.tokens = [0] * (len(r.req.prompt_ids) + LENGTH)
+            auto.forget(r)
+            reqs[i] = new_request(BATCH * (cycle + 1) + i)
+    assert policy.current == OFF
+    assert charges[-LENGTH + 1:] == pytest.approx([0.5 * 0.004] * (LENGTH - 1))
 
 
 def test_prompts_joining_every_few_steps_do_not_keep_auto_from_trying_speculation():

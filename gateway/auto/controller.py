@@ -57,7 +57,6 @@ class AutoController:
         self.step_drafts: list[list] = []    # per step plan: [expected drafts, accepted drafts, verdicts] (Plan.gains)
         self.steps_seen = 0
         self.catching_up = False   # this step's drafter also takes in tokens committed while a request did not draft
-        self.wave = False          # a wave of prompts was admitted and is still prefilling (see wave_admitted)
         self.holding: set[str] = set()   # this step: seq ids whose hidden states the verifier keeps (see plan)
         self.choice_at: dict[int, Choice] = {}   # batch bucket -> the last plan's choice there
         self.step_tokens = self.step_requests = 0   # this step's verdicts: tokens committed, requests
@@ -336,68 +335,67 @@ class AutoController:
         self.pending.clear()
 
     def observe_step(self, seconds: float, draft_seconds: float = 0.0, prefilling: bool = False,
-                     admitted: int = 0) -> None:
-        """The step's wall time after its plan (drafts, verify, pre-drafts, the verdicts applied),
-        when one plan ran for every sequence of it; draft_seconds: the round trip of its drafts
-        before the verify; prefilling: it also prefilled prompts, `admitted` of them new this step.
-        Every step counts its admissions and tokens (AdmissionRate); every such step tells the policy
-        what its kind's steps really take per admission (AutoPolicy.observe_overhead); a clean one (no prefill)
-        also calibrates the choice's step time. The first few steps of the gateway's life are not
-        used: they also pay for opening streams and first allocations. Where a drafter caught up
-        (see `plan`), the calibration counts the step's drafts as the profile prices them, so the
-        rest of the step (the verify, the hops) is still measured; the overhead keeps them whole
-        unless the step was a probe (a prompt's catch-up comes with every request that drafts)."""
+                     admitted: int = 0, active: int = 0) -> None:
+        """The step's wall time after its plan (drafts, verify, pre-drafts, the verdicts applied);
+        draft_seconds: the round trip of its drafts before the verify; prefilling: it also
+        prefilled prompts, `admitted` of them new this step; active: the requests in the batch after
+        its admissions. Each step that took in prompts, under one plan for every sequence or with no
+        sequence to plan for, tells the policy what its kind's steps really take per admission
+        (AutoPolicy.observe_overhead); a clean one (no prefill) under one plan also calibrates the
+        choice's step time. The first few steps of the gateway's life are not used: they also pay
+        for opening streams and first allocations. Where a drafter caught up (see `plan`), the
+        calibration counts the step's drafts as the profile prices them, so the rest of the step
+        (the verify, the hops) is still measured; the overhead keeps them whole unless the step was
+        a probe (a prompt's catch-up comes with every request that drafts)."""
         self.steps_seen += 1
-        wave = self.wave
-        if wave and not prefilling:   # the wave's prompts are in: this step is the last one it slows
-            self.wave = False
+        warm = self.steps_seen > WARMUP_STEPS
+        one = (self.step_plans[0] if warm and len(self.step_plans) == 1 and not self.step_plans[0][2]
+               and isinstance(self.step_plans[0][0], AutoPolicy) else None)
         for policy in self._auto_policies():
-            policy.admissions.observe(admitted, self.step_tokens, self.step_requests)
-        if len(self.step_plans) == 1 and self.steps_seen > WARMUP_STEPS:
-            policy, plan, others = self.step_plans[0]
-            if not others and isinstance(policy, AutoPolicy):
-                if not wave:
-                    policy.observe_overhead(plan, seconds, admitted)
-                if prefilling or admitted:
-                    # What such a step took over the clean time it was priced at, per prompt it
-                    # admitted, next to the figure the policy charges a prompt (StepOverheads).
-                    per_admission = policy.overheads.per_admission(plan.choice != OFF, plan.batch)
-                    self.log.debug("auto admitting step", choice=plan.choice.name, batch=plan.batch,
-                                   admitted=admitted, expected_ms=round(plan.seconds * 1e3, 2),
-                                   overhead_ms=round(plan.overhead * 1e3, 2), measured_ms=round(seconds * 1e3, 2),
-                                   per_admission_ms=round(per_admission * 1e3, 2))
-                if prefilling:
-                    return
-                if self.catching_up:
-                    seconds += self.costs.draft(len(plan.speculating), plan.choice.draft_shape) - draft_seconds
-                # What the policy expected of this step next to what it took and committed, and the
-                # best speculative plan it weighed (SPECDEC_LOG_LEVEL=debug).
-                rival = policy.last_rival
-                self.log.debug("auto step", choice=plan.choice.name, batch=plan.batch,
-                               rival=rival.choice.name if rival else None,
-                               rival_tokens_per_second=round(rival.tokens_per_second, 1) if rival else None,
-                               rival_ms=round(rival.seconds * 1e3, 2) if rival else None,
-                               rival_overhead_ms=round(rival.overhead * 1e3, 2) if rival else None,
-                               rival_tokens=round(rival.expected_tokens, 1) if rival else None,
-                               token_ratio=round(policy.tokens.ratio, 3),
-                               speculating=len(plan.speculating), probe=plan.probe, caught_up=self.catching_up,
-                               model_ms=round(plan.model_seconds * 1e3, 2), expected_ms=round(plan.seconds * 1e3, 2),
+            policy.overheads.tick()
+            if one is not None and policy is one[0]:
+                policy.observe_overhead(one[1], seconds, admitted, prefilling, active)
+            elif warm and not self.step_plans and (admitted or prefilling):
+                policy.observe_overhead(None, seconds, admitted, prefilling, active)
+            else:
+                policy.overheads.skip(admitted)
+        if one is not None:
+            policy, plan, _ = one
+            if prefilling or admitted:
+                # What such a step took over the clean time it was priced at, per prompt it
+                # admitted, next to the figure the policy charges a prompt (StepOverheads).
+                per_admission = policy.overheads.per_admission(plan.choice != OFF, plan.batch)
+                self.log.debug("auto admitting step", choice=plan.choice.name, batch=plan.batch,
+                               admitted=admitted, expected_ms=round(plan.seconds * 1e3, 2),
                                overhead_ms=round(plan.overhead * 1e3, 2), measured_ms=round(seconds * 1e3, 2),
-                               expected_tokens=round(plan.expected_tokens, 2), tokens=self.step_tokens)
-                policy.observe_step(plan, seconds)
+                               per_admission_ms=round(per_admission * 1e3, 2))
+            if prefilling:
+                return
+            if self.catching_up:
+                seconds += self.costs.draft(len(plan.speculating), plan.choice.draft_shape) - draft_seconds
+            # What the policy expected of this step next to what it took and committed, and the
+            # best speculative plan it weighed (SPECDEC_LOG_LEVEL=debug).
+            rival = policy.last_rival
+            self.log.debug("auto step", choice=plan.choice.name, batch=plan.batch,
+                           rival=rival.choice.name if rival else None,
+                           rival_tokens_per_second=round(rival.tokens_per_second, 1) if rival else None,
+                           rival_ms=round(rival.seconds * 1e3, 2) if rival else None,
+                           rival_overhead_ms=round(rival.overhead * 1e3, 2) if rival else None,
+                           rival_tokens=round(rival.expected_tokens, 1) if rival else None,
+                           token_ratio=round(policy.tokens.ratio, 3),
+                           speculating=len(plan.speculating), probe=plan.probe, caught_up=self.catching_up,
+                           model_ms=round(plan.model_seconds * 1e3, 2), expected_ms=round(plan.seconds * 1e3, 2),
+                           overhead_ms=round(plan.overhead * 1e3, 2), measured_ms=round(seconds * 1e3, 2),
+                           expected_tokens=round(plan.expected_tokens, 2), tokens=self.step_tokens)
+            policy.observe_step(plan, seconds)
 
-    def wave_admitted(self) -> None:
-        """The scheduler admitted a wave (half its batch or more at once). Its steps, until its
-        prompts are prefilled and the step after, are left out of what a prompt costs
-        (StepOverheads): a wave is not the rule, and a wave admitted beside few requests is planned
-        at a small batch while the steps that prefill its chunks run at a large one, whose
-        figure then charged the wave's prefill to the few prompts of one group there (H100, C = 32
-        after C = 16: chain k=4 charged 24 ms a prompt, 25-49 ms a step, where its prompts cost
-        3-4 ms; auto ran off, 1.01x of off, where chain k=4 ran at 1.22x)."""
-        self.wave = True
-
-    def forget(self, r: ActiveRequest) -> None:
+    def forget(self, r: ActiveRequest, ended: bool = True) -> None:
+        """r leaves the batch: ended (finished, failed or cancelled; its length tells how often
+        requests end, RequestLengths) or released to resume elsewhere."""
         self._flush_verdicts()   # its last verdict still counts for its drafter
+        if ended:
+            for policy in self._auto_policies():
+                policy.lengths.observe(r.generated)
         self.book.forget(r.seq_id)
         if r is self.scout:   # ended before (or right after) its probe: the next admission may scout
             self.scout = None

@@ -164,29 +164,33 @@ class CostModel:
 class StepOverheads:
     """What the steps of a kind (off, speculating) take over their calibrated clean time, per prompt
     they admit, at a batch bucket; a choice's overhead is that times the prompts it will admit a
-    step.
+    step (RequestLengths).
 
     StepCalibration learns from clean steps only (a prefill would blur a choice's cost). Under a
     stream of arrivals many steps are not clean, and how many depends on the choice: a request
     that commits more tokens a step ends sooner, and its client's next prompt comes sooner. On the
     H200 closed loop at a = 0.8, C = 32, chain k=4's clean steps took ~28 ms and its steps ~37 ms on
-    average, while mode off's lockstep clients admitted their prompts together, one step in 64. So
-    this measures the excess per admitted prompt (the verifier's prefill, a drafter's catch-up) from
-    the last `window` steps of the kind that measured choices ran (a wave of prompts at once, not the
-    rule, is not observed: AutoController.wave_admitted), and the policy multiplies it by the
-    admissions a step it expects of the choice (AdmissionRate). Earlier this was the mean excess a
-    step: a figure measured in one spell kept its kind's price while the kind did not run (on the
-    H100 at C = 32, off priced at 1,854 tok/s from a spell right after a wave began, where off ran
-    2,693, and auto speculated at 0.83x of off). A kind not yet measured at a bucket borrows off's
-    figure there: speculation is then tried, and its own figure replaces it."""
+    average. So this measures the excess per admitted prompt (the verifier's prefill, a drafter's
+    catch-up) over groups of arrivals: a step that admits prompts opens a group, which also takes
+    the excess of the steps after it while prompts still prefill (a long prompt prefills in chunks)
+    and of the one after those (a drafter takes in a prompt's hidden states when it first drafts),
+    up to the next admission. A group counts at the batch its prompts join (they included), and a wave is a group like any other: clients that mode off keeps in
+    lockstep admit nothing but waves, and leaving waves out priced off at its clean steps (H100,
+    C = 32: 3,200 tok/s where off ran 2,440, and auto ran off there at 0.92x of chain k=4). Before
+    groups, the excess of steps after a wave admitted beside few requests was charged to the few
+    prompts of an earlier group at the wave's batch (24 ms a prompt where they cost 3-4 ms). A kind
+    not yet measured at a bucket borrows off's figure there: speculation is then tried, and its own
+    figure replaces it."""
 
-    def __init__(self, window: int = 32, min_samples: int = 8, max_age: int = 512) -> None:
-        """max_age: steps (all kinds) after which a sample no longer counts: once auto has turned
-        to off, speculation's figure from a busier spell must not keep it off for good; it is then
-        borrowed from off's again, tried, and measured afresh."""
-        self.window, self.min_samples, self.max_age = window, min_samples, max_age
+    def __init__(self, window: int = 16, min_prompts: int = 8, max_age: int = 512) -> None:
+        """window: groups kept per kind and bucket; min_prompts: prompts those groups must hold to
+        price the kind; max_age: steps (all kinds) after which a group no longer counts: once auto
+        has turned to off, speculation's figure from a busier spell must not keep it off for good;
+        it is then borrowed from off's again, tried, and measured afresh."""
+        self.window, self.min_prompts, self.max_age = window, min_prompts, max_age
         self.steps = 0
-        self.samples: dict[tuple[bool, int], deque] = {}   # (speculating, bucket) -> (step, excess s, admitted)
+        self.groups: dict[tuple[bool, int], deque] = {}   # (speculating, bucket) -> [last step, excess s, prompts]
+        self.open: list | None = None                      # the group that still takes the steps' excess
         self.cached: dict[tuple[bool, int], float] = {}    # figures since the last step (a plan asks per choice)
 
     def tick(self) -> None:
@@ -194,10 +198,25 @@ class StepOverheads:
         self.steps += 1
         self.cached.clear()
 
-    def observe(self, speculating: bool, batch: int, excess: float, admitted: int) -> None:
-        key = (speculating, bucket(batch))
-        self.samples.setdefault(key, deque(maxlen=self.window)).append((self.steps, excess, admitted))
+    def observe(self, speculating: bool, batch: int, excess: float, admitted: int, prefilling: bool) -> None:
+        """A measured step that admitted `admitted` prompts into a batch of `batch` requests (they
+        included; prefilling: it also prefilled prompt chunks), `excess` seconds over its clean price."""
+        if admitted:
+            self.open = [self.steps, excess, admitted]
+            key = (speculating, bucket(batch))
+            self.groups.setdefault(key, deque(maxlen=self.window)).append(self.open)
+        elif self.open is not None:
+            self.open[0] = self.steps
+            self.open[1] += excess
+        if not (admitted or prefilling):   # the step after its prompts' prefill was the group's last
+            self.open = None
         self.cached.clear()
+
+    def skip(self, admitted: int) -> None:
+        """A step that was not measured: if it admitted prompts, the steps after it are theirs, not the
+        open group's."""
+        if admitted:
+            self.open = None
 
     def per_admission(self, speculating: bool, batch: int) -> float:
         """Seconds a step of this kind takes over its clean time per prompt it admits."""
@@ -208,54 +227,30 @@ class StepOverheads:
 
     def _per_admission(self, speculating: bool, b: int) -> float:
         for key in ((speculating, b), (False, b)):
-            recent = [(x, n) for step, x, n in self.samples.get(key, ()) if self.steps - step <= self.max_age]
-            if len(recent) >= self.min_samples:
-                groups = _arrival_groups(recent)
-                admitted = sum(n for _, n in groups)
-                return max(0.0, sum(x for x, _ in groups)) / admitted if admitted else 0.0
+            recent = [(x, n) for step, x, n in self.groups.get(key, ()) if self.steps - step <= self.max_age]
+            prompts = sum(n for _, n in recent)
+            if prompts >= self.min_prompts:
+                return max(0.0, sum(x for x, _ in recent)) / prompts
         return 0.0
 
 
-def _arrival_groups(samples: list[tuple[float, int]]) -> list[tuple[float, int]]:
-    """(excess s, admitted) per step -> per admitting step, its excess with that of the steps after it
-    up to the next admission: a prompt's cost can outlast its step (a long prompt prefills in
-    chunks; a drafter takes in its hidden states when it first drafts). Steps before the window's
-    first admission belong to a group that left the window and are left out. (The step of largest
-    excess alone was left out before, as a wave; with prompts admitted several a step, on the
-    stand-ins at C = 64, that removed a group of 9 and charged the excess of the steps after it to
-    the one prompt left: 22 ms a prompt where the steps took 4.9 ms, and off priced at 1,845 tok/s
-    where it ran ~4,000.)"""
-    groups: list[list] = []
-    for excess, admitted in samples:
-        if admitted:
-            groups.append([excess, admitted])
-        elif groups:
-            groups[-1][0] += excess
-    return [(x, n) for x, n in groups]
-
-
-class AdmissionRate:
-    """Prompts admitted a step, and tokens committed per request a step, over the last `window`
-    steps: a choice committing E tokens per request a step ends requests, and so admits the
-    clients' next prompts, E / E_now times as often as the steps measured (a closed loop or a
-    queue: every request that ends makes room for the next)."""
+class RequestLengths:
+    """Tokens generated per request over the last `window` requests that ended: a choice committing T
+    tokens a step ends T / (mean length) requests a step, and so admits as many prompts (a closed
+    loop or a queue: every request that ends makes room for the next). Counted from endings, not
+    from the admissions a window of steps saw: clients that mode off keeps in lockstep admit a wave
+    once a request length, which such a window holds whole or misses."""
 
     def __init__(self, window: int = 64) -> None:
-        self.steps: deque = deque(maxlen=window)   # (admitted, tokens committed, requests that committed)
-        self.totals = [0, 0, 0]                    # the same, summed over the window (a plan asks per choice)
+        self.lengths: deque = deque(maxlen=window)
+        self.total = 0   # the window's sum (a plan asks per choice)
 
-    def observe(self, admitted: int, tokens: int, requests: int) -> None:
-        if len(self.steps) == self.steps.maxlen:
-            for i, x in enumerate(self.steps[0]):
-                self.totals[i] -= x
-        self.steps.append((admitted, tokens, requests))
-        for i, x in enumerate((admitted, tokens, requests)):
-            self.totals[i] += x
+    def observe(self, generated: int) -> None:
+        if len(self.lengths) == self.lengths.maxlen:
+            self.total -= self.lengths[0]
+        self.lengths.append(generated)
+        self.total += generated
 
-    def admissions(self, tokens_per_request: float) -> float:
-        """Expected prompts admitted a step for a choice committing this many tokens per request a step."""
-        if not self.steps:
-            return 0.0
-        admitted, tokens, requests = self.totals
-        now = tokens / requests if requests else 1.0
-        return admitted / len(self.steps) * tokens_per_request / now
+    def admissions(self, tokens: float) -> float:
+        """Expected prompts admitted a step for a choice committing `tokens` a step (0 until a request ended)."""
+        return tokens * len(self.lengths) / self.total if self.total else 0.0

@@ -18,7 +18,7 @@ start-up profiles (gateway/auto/costs.py) times a calibration: measured / modell
 choice and batch bucket, which carries what the profiles cannot see (gRPC and Python on three hops,
 contention on a shared GPU), plus what the kind's steps (off, speculating) take over their clean
 time per prompt they admit (StepOverheads) times the prompts the choice admits a step: a choice
-that commits more tokens a request ends requests, and admits the next prompts, sooner (AdmissionRate). A
+that commits more tokens a request ends requests, and admits the next prompts, sooner (RequestLengths). A
 request speculates only while its expected gain pays for its share of the draft step. Speculation
 must beat off by `speculation_margin`: the best of several noisy estimates is more often
 overestimated than not, and a speculative step has costs no step time shows (requests that end
@@ -43,7 +43,7 @@ from functools import cached_property
 import numpy as np
 
 from gateway.auto.acceptance import AcceptanceBook, TokenCalibration
-from gateway.auto.costs import AdmissionRate, CostModel, StepCalibration, StepOverheads
+from gateway.auto.costs import CostModel, RequestLengths, StepCalibration, StepOverheads
 from gateway.request import Mode
 from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, chain_shape, predraft_shape, tree_shape
 
@@ -144,7 +144,7 @@ class AutoPolicy:
         self.calibration = StepCalibration()
         self.tokens = TokenCalibration()
         self.overheads = StepOverheads()
-        self.admissions = AdmissionRate()
+        self.lengths = RequestLengths()
         self.min_observations, self.min_measured = min_observations, min_measured
         self.challenge_every, self.challenge_within = challenge_every, challenge_within
         self.plans_since_challenge = 0
@@ -276,24 +276,27 @@ class AutoPolicy:
         if not plan.probe and verdicts:
             self.tokens.observe(expected, accepted, verdicts)
 
-    def observe_overhead(self, plan: Plan, seconds: float, admitted: int = 0) -> None:
-        """Any step that ran `plan` and admitted `admitted` prompts: its excess over the clean step it
-        was priced at, when that price rests on measurements of the choice's own (not a probe, not a
+    def observe_overhead(self, plan: Plan | None, seconds: float, admitted: int, prefilling: bool, active: int) -> None:
+        """A step that ran `plan` (None: no request was running, the step only took in prompts; its
+        kind is the standing choice's), admitted `admitted` prompts (prefilling: it prefilled prompt
+        chunks) and left `active` requests in the batch: its excess over the clean step it was
+        priced at, when that price rests on measurements of the choice's own (not a probe, not a
         borrowed figure), and for off only while off is auto's standing choice. While speculation
         stands, the steps that run off are mostly those that admit a prompt (such a step plans
         among measured choices only): as off's samples they priced off at ~1,800 tok/s where off
         ran ~2,800 (stand-ins with the H100's costs, C = 32), and auto speculated at 0.95x of off."""
-        self.overheads.tick()
-        if plan.choice == OFF and self.current != OFF:
-            return
-        if not plan.probe and plan.seconds > 0 and self.measured(plan.choice, plan.batch):
-            self.overheads.observe(plan.choice != OFF, plan.batch, seconds - plan.seconds, admitted)
+        if plan is None:
+            self.overheads.observe(self.current != OFF, active, seconds, admitted, prefilling)
+        elif ((plan.choice != OFF or self.current == OFF) and not plan.probe and plan.seconds > 0
+              and self.measured(plan.choice, plan.batch)):
+            self.overheads.observe(plan.choice != OFF, active, seconds - plan.seconds, admitted, prefilling)
+        else:
+            self.overheads.skip(admitted)
 
     def _overhead(self, speculating: bool, batch: int, tokens: float) -> float:
         """What a step committing `tokens` over `batch` requests is expected to take over its clean
-        time: the prompts it will admit a step (AdmissionRate) times its kind's cost per prompt."""
-        return (self.admissions.admissions(tokens / max(1, batch))
-                * self.overheads.per_admission(speculating, batch))
+        time: the prompts it will admit a step (RequestLengths) times its kind's cost per prompt."""
+        return self.lengths.admissions(tokens) * self.overheads.per_admission(speculating, batch)
 
     def _probe_choice(self) -> Choice | None:
         """The narrowest speculative choice (chain k=1 without overlap)."""
