@@ -69,6 +69,32 @@ def test_a_group_takes_the_steps_that_prefill_its_prompts_and_a_wave_is_a_group(
     assert o.per_admission(True, 32) == pytest.approx((3 * 0.016 + 0.130) / 40)
 
 
+def test_a_wave_into_an_empty_batch_counts_for_both_kinds():
+    o = StepOverheads(window=16, min_prompts=8)
+    o.observe(True, 32, 0.080, 8, prefilling=True)     # speculation's own group: 10 ms a prompt
+    o.observe(None, 32, 0.128, 32, prefilling=True)    # nothing ran but 32 prompts: 4 ms each
+    assert o.per_admission(False, 32) == pytest.approx(0.004)
+    assert o.per_admission(True, 32) == pytest.approx(0.208 / 40)
+
+
+def test_steps_of_requests_auto_did_not_plan_are_not_charged_to_its_kinds():
+    """A gateway also runs requests that named a mode: a step of theirs that takes in prompts has no
+    plan of auto's and no price, and its whole time is not a prompt's cost (on the H100 a sweep's
+    fixed rows before auto's made chain k=2 cost 718 ms a step in prompts at C = 64)."""
+    auto = controller()
+    auto.plan([new_request(i) for i in range(8)])
+    policy = auto.policies[True]
+    fixed = []
+    for i in range(32):
+        req = GenerationRequest(f"f{i}", [1, 2, 3], 64, [], False, SpecSettings(Mode.CHAIN, k=4), GREEDY)
+        fixed.append(ActiveRequest(req=req, seq_id=f"f{i}", mode=Mode.CHAIN, detok=None, sampling=GREEDY,
+                                   drafter="d:1"))
+    for step in range(WARMUP + 24):
+        auto.plan(fixed, prefilling=True)
+        auto.observe_step(0.040, prefilling=True, admitted=4 if step % 2 else 0, active=32)
+    assert policy.overheads.per_admission(False, 32) == policy.overheads.per_admission(True, 32) == 0.0
+
+
 def test_a_choice_admits_prompts_as_often_as_it_ends_requests():
     """64-token answers: a choice committing 32 tokens a step ends (and so admits) half a request a
     step, one committing 96 three times as many. The mean follows the last `window` requests."""

@@ -60,6 +60,7 @@ class AutoController:
         self.holding: set[str] = set()   # this step: seq ids whose hidden states the verifier keeps (see plan)
         self.choice_at: dict[int, Choice] = {}   # batch bucket -> the last plan's choice there
         self.step_tokens = self.step_requests = 0   # this step's verdicts: tokens committed, requests
+        self.step_running = 0                       # this step's requests that verify (auto or not)
 
     def _policy(self, overlap_allowed: bool) -> AutoPolicy | CyclingPolicy | None:
         if self.costs is None:
@@ -163,6 +164,7 @@ class AutoController:
         only choices already measured at this batch size (AutoPolicy.plan's explore=False)."""
         self._flush_drafts()
         self.step_plans, self.step_drafts = [], []
+        self.step_running = len(continuing)
         self.catching_up = False
         self.holding = set()
         self.step_tokens = self.step_requests = 0
@@ -340,7 +342,7 @@ class AutoController:
         draft_seconds: the round trip of its drafts before the verify; prefilling: it also
         prefilled prompts, `admitted` of them new this step; active: the requests in the batch after
         its admissions. Each step that took in prompts, under one plan for every sequence or with no
-        sequence to plan for, tells the policy what its kind's steps really take per admission
+        sequence running, tells the policy what its kind's steps really take per admission
         (AutoPolicy.observe_overhead); a clean one (no prefill) under one plan also calibrates the
         choice's step time. The first few steps of the gateway's life are not used: they also pay
         for opening streams and first allocations. Where a drafter caught up (see `plan`), the
@@ -355,7 +357,7 @@ class AutoController:
             policy.overheads.tick()
             if one is not None and policy is one[0]:
                 policy.observe_overhead(one[1], seconds, admitted, prefilling, active)
-            elif warm and not self.step_plans and (admitted or prefilling):
+            elif warm and not self.step_running and (admitted or prefilling):   # prompts and nothing else
                 policy.observe_overhead(None, seconds, admitted, prefilling, active)
             else:
                 policy.overheads.skip(admitted)

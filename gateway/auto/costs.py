@@ -174,9 +174,11 @@ class StepOverheads:
     catch-up) over groups of arrivals: a step that admits prompts opens a group, which also takes
     the excess of the steps after it while prompts still prefill (a long prompt prefills in chunks)
     and of the one after those (a drafter takes in a prompt's hidden states when it first drafts),
-    up to the next admission. A group counts at the batch its prompts join (they included), and a wave is a group like any other: clients that mode off keeps in
-    lockstep admit nothing but waves, and leaving waves out priced off at its clean steps (H100,
-    C = 32: 3,200 tok/s where off ran 2,440, and auto ran off there at 0.92x of chain k=4). Before
+    up to the next admission. A group counts at the batch its prompts join (they included), and a
+    wave is a group like any other (one into an empty batch counts for both kinds: nothing else
+    ran): clients that mode off keeps in lockstep admit nothing but waves, and leaving waves out
+    priced off at its clean steps (H100, C = 32: 3,200 tok/s where off ran 2,440, and auto ran off
+    there at 0.92x of chain k=4). Before
     groups, the excess of steps after a wave admitted beside few requests was charged to the few
     prompts of an earlier group at the wave's batch (24 ms a prompt where they cost 3-4 ms). A kind
     not yet measured at a bucket borrows off's figure there: speculation is then tried, and its own
@@ -198,13 +200,14 @@ class StepOverheads:
         self.steps += 1
         self.cached.clear()
 
-    def observe(self, speculating: bool, batch: int, excess: float, admitted: int, prefilling: bool) -> None:
+    def observe(self, speculating: bool | None, batch: int, excess: float, admitted: int, prefilling: bool) -> None:
         """A measured step that admitted `admitted` prompts into a batch of `batch` requests (they
-        included; prefilling: it also prefilled prompt chunks), `excess` seconds over its clean price."""
+        included; prefilling: it also prefilled prompt chunks), `excess` seconds over its clean price.
+        speculating None: a step with nothing running, whose group counts for both kinds."""
         if admitted:
             self.open = [self.steps, excess, admitted]
-            key = (speculating, bucket(batch))
-            self.groups.setdefault(key, deque(maxlen=self.window)).append(self.open)
+            for kind in (False, True) if speculating is None else (speculating,):
+                self.groups.setdefault((kind, bucket(batch)), deque(maxlen=self.window)).append(self.open)
         elif self.open is not None:
             self.open[0] = self.steps
             self.open[1] += excess
