@@ -7,6 +7,8 @@ states, and not before auto settles."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from gateway.auto.controller import AutoController, draft_family
@@ -226,6 +228,31 @@ def test_prompts_arriving_at_a_load_where_auto_chose_off_are_held_while_it_draft
     assert auto.holds_admissions(32) and auto.holds_admissions(20)   # (the same bucket)
     assert not auto.holds_admissions(1)
     assert not auto.holds_admissions(64) and not auto.holds_admissions(4)   # never planned: the last plan drafts
+
+
+def test_off_for_requests_with_nothing_left_to_gain_does_not_hold_the_next_prompts():
+    """Requests with one token left (a benchmark's 2-token warm-ups, after their prompt's token) run
+    off whatever the load: nothing to draft. That plan must not hold the rows of the prompts
+    admitted next at that batch size (on the H100 each wave after the warm-ups started off and then
+    sent its rows: ~5% of the time at C = 16)."""
+    auto = controller(True, lambda width, batch: 0.01 + 0.0005 * width * batch)
+    speculating = [request(i) for i in range(16)]
+    for _ in range(12):   # every draft accepted: auto drafts at batch 16
+        auto.plan(speculating)
+        for r in speculating:
+            depth = r.settings.k if r.mode == Mode.CHAIN else r.settings.depth if r.mode == Mode.TREE else 0
+            r.draft_family = draft_family(r.settings, r.mode)
+            auto.observe_verdict(r, depth, depth)
+        auto.observe_step(step_seconds(speculating))
+    assert not auto.holds_admissions(16)
+    ending = [request(100 + i) for i in range(16)]
+    for r in ending:
+        r.req = dataclasses.replace(r.req, max_new_tokens=2)
+        r.tokens = [*r.req.prompt_ids, 7]   # the prompt's first token came with its prefill
+    auto.plan(ending)
+    (_, plan, _), = auto.step_plans
+    assert plan.choice.name == "off"
+    assert not auto.holds_admissions(16) and not auto.holds_admissions(64)
 
 
 def test_a_probe_that_would_pay_for_a_whole_batch_reopens_admissions(monkeypatch):

@@ -58,7 +58,8 @@ class AutoController:
         self.steps_seen = 0
         self.catching_up = False   # this step's drafter also takes in tokens committed while a request did not draft
         self.holding: set[str] = set()   # this step: seq ids whose hidden states the verifier keeps (see plan)
-        self.choice_at: dict[int, Choice] = {}   # batch bucket -> the last plan's choice there
+        self.choice_at: dict[int, Choice] = {}   # batch bucket -> the last plan's choice there (see _plan_group)
+        self.load_choice: dict[bool, Choice] = {}   # by whether overlap is allowed: the same, at the last plan
         self.step_tokens = self.step_requests = 0   # this step's verdicts: tokens committed, requests
         self.step_running = 0                       # this step's requests that verify (auto or not)
 
@@ -117,7 +118,7 @@ class AutoController:
         known = self.choice_at.get(bucket(batch))
         if known is not None:
             return known == OFF
-        return bool(self.plans) and all(c.plan.choice == OFF for c in self.plans.values())
+        return bool(self.load_choice) and all(c == OFF for c in self.load_choice.values())
 
     def _after_probe(self, policy: AutoPolicy, batch: int) -> None:
         """A plan after the scout's probe still chooses off. Parked requests cannot draft, so at a
@@ -207,7 +208,12 @@ class AutoController:
             self.step_plans.append((policy, plan, others))
             self.step_drafts.append([0.0, 0.0, 0])
             choice, speculating = plan.choice, set(plan.speculating)
-            self.choice_at[bucket(len(group) + others)] = choice
+            # Off planned for requests with at most one token left (nothing to gain by drafting)
+            # says nothing about what the load favours: it must not hold the rows of the next
+            # prompts admitted at this batch size (a benchmark's 2-token warm-ups did, and each
+            # wave after them started off, then sent its rows: ~5% of the time at C = 16, H100).
+            if choice != OFF or any(r.req.max_new_tokens - r.generated > 1 for r in group):
+                self.choice_at[bucket(len(group) + others)] = self.load_choice[overlap_allowed] = choice
             if self.scout is not None and any(r is self.scout for r in group):
                 if choice != OFF and self.scout.seq_id in speculating:
                     self.scout_probed = True
