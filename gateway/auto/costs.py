@@ -178,11 +178,10 @@ class StepOverheads:
     wave is a group like any other (one into an empty batch counts for both kinds: nothing else
     ran): clients that mode off keeps in lockstep admit nothing but waves, and leaving waves out
     priced off at its clean steps (H100, C = 32: 3,200 tok/s where off ran 2,440, and auto ran off
-    there at 0.92x of chain k=4). Before
-    groups, the excess of steps after a wave admitted beside few requests was charged to the few
-    prompts of an earlier group at the wave's batch (24 ms a prompt where they cost 3-4 ms). A kind
-    not yet measured at a bucket borrows off's figure there: speculation is then tried, and its own
-    figure replaces it."""
+    there at 0.92x of chain k=4). Before groups, the excess of steps after a wave admitted beside
+    few requests was charged to the few prompts of an earlier group at the wave's batch (24 ms a
+    prompt where they cost 3-4 ms). A kind not yet measured at a bucket borrows off's figure there:
+    speculation is then tried, and its own figure replaces it."""
 
     def __init__(self, window: int = 16, min_prompts: int = 8, max_age: int = 512) -> None:
         """window: groups kept per kind and bucket; min_prompts: prompts those groups must hold to
