@@ -38,14 +38,15 @@ def step_seconds(reqs: list[ActiveRequest]) -> float:
     return 0.01 + 0.002 * any(r.mode != Mode.OFF for r in reqs)
 
 
-def serve_without_acceptance(auto: AutoController, reqs: list[ActiveRequest], steps: int) -> None:
-    """Steps in which every draft is rejected: auto settles on off and its probes keep losing."""
+def serve_steps(auto: AutoController, reqs: list[ActiveRequest], steps: int, accept_whole: bool = False) -> None:
+    """Steps in which every draft is rejected (auto settles on off and its probes keep losing), or
+    with accept_whole every draft passes whole."""
     for _ in range(steps):
         auto.plan(reqs)
         for r in reqs:
             depth = r.settings.k if r.mode == Mode.CHAIN else r.settings.depth if r.mode == Mode.TREE else 0
             r.draft_family = draft_family(r.settings, r.mode)
-            auto.observe_verdict(r, depth, 0)
+            auto.observe_verdict(r, depth, depth if accept_whole else 0)
         auto.observe_step(step_seconds(reqs))
 
 
@@ -54,7 +55,7 @@ def settle_off(auto: AutoController) -> list[ActiveRequest]:
     for r in running:
         auto.admit(r)
     assert not any(r.parked for r in running)       # not settled yet: every request keeps its states
-    serve_without_acceptance(auto, running, 400)
+    serve_steps(auto, running, 400)
     assert auto.settled_off() and all(r.mode == Mode.OFF for r in running)
     return running
 
@@ -64,7 +65,7 @@ def test_requests_admitted_after_auto_settles_off_are_parked_but_a_scout_per_pro
     running = settle_off(auto)
     assert auto.take_parked() == running
     interval = auto.policies[True].probe_interval
-    serve_without_acceptance(auto, running, interval)   # a probe interval since settling: the next one scouts
+    serve_steps(auto, running, interval)   # a probe interval since settling: the next one scouts
     scout = request(200)
     late = [request(i) for i in range(100, 108)]
     for r in [scout, *late]:
@@ -75,14 +76,14 @@ def test_requests_admitted_after_auto_settles_off_are_parked_but_a_scout_per_pro
     auto.plan(batch)                                  # the scout is probed at once: one step, one token
     assert scout.mode == Mode.CHAIN and all(r.mode == Mode.OFF for r in batch if r is not scout)
     assert not auto.take_parked()
-    serve_without_acceptance(auto, batch, 2)          # the probe lost: the next plan parks the scout
+    serve_steps(auto, batch, 2)          # the probe lost: the next plan parks the scout
     assert scout.parked and not scout.speculates and auto.take_parked() == [scout]
     assert auto.settled_off() and auto.policies[True].probe_interval == 2 * interval
     # The next scout comes once the doubled interval has passed.
-    serve_without_acceptance(auto, batch, interval)
+    serve_steps(auto, batch, interval)
     early = request(300)
     auto.admit(early)
-    serve_without_acceptance(auto, batch, interval)
+    serve_steps(auto, batch, interval)
     due = request(301)
     auto.admit(due)
     assert early.parked and due.scout
@@ -93,9 +94,9 @@ def test_requests_running_when_auto_settles_off_are_parked():
     running = [request(i) for i in range(6)]
     for r in running:
         auto.admit(r)
-    serve_without_acceptance(auto, running, 30)
+    serve_steps(auto, running, 30)
     assert not auto.settled_off() and not auto.take_parked()     # nothing parked before it settles
-    serve_without_acceptance(auto, running, 400)
+    serve_steps(auto, running, 400)
     assert auto.settled_off()
     assert auto.take_parked() == running and all(r.parked and not r.speculates for r in running)
     assert not auto.take_parked()                                # handed over once
@@ -104,7 +105,7 @@ def test_requests_running_when_auto_settles_off_are_parked():
 def test_without_hidden_states_nothing_is_parked():
     auto = controller(hidden_states=False)
     running = [request(i) for i in range(4)]
-    serve_without_acceptance(auto, running, 400)
+    serve_steps(auto, running, 400)
     assert auto.settled_off()
     late = [request(i) for i in range(100, 116)]
     for r in late:
@@ -237,13 +238,7 @@ def test_off_for_requests_with_nothing_left_to_gain_does_not_hold_the_next_promp
     sent its rows: ~5% of the time at C = 16)."""
     auto = controller(True, lambda width, batch: 0.01 + 0.0005 * width * batch)
     speculating = [request(i) for i in range(16)]
-    for _ in range(12):   # every draft accepted: auto drafts at batch 16
-        auto.plan(speculating)
-        for r in speculating:
-            depth = r.settings.k if r.mode == Mode.CHAIN else r.settings.depth if r.mode == Mode.TREE else 0
-            r.draft_family = draft_family(r.settings, r.mode)
-            auto.observe_verdict(r, depth, depth)
-        auto.observe_step(step_seconds(speculating))
+    serve_steps(auto, speculating, 12, accept_whole=True)   # auto drafts at batch 16
     assert not auto.holds_admissions(16)
     ending = [request(100 + i) for i in range(16)]
     for r in ending:
@@ -267,11 +262,11 @@ def test_a_probe_that_would_pay_for_a_whole_batch_reopens_admissions(monkeypatch
         running = settle_off(auto)
         policy = auto.policies[True]
         monkeypatch.setattr(policy, "pays_for_a_batch", lambda batch: pays)
-        serve_without_acceptance(auto, running, policy.probe_interval)
+        serve_steps(auto, running, policy.probe_interval)
         scout = request(200)
         auto.admit(scout)
         batch = running + [scout]
-        serve_without_acceptance(auto, batch, 2)          # its probe, then a plan that still chooses off
+        serve_steps(auto, batch, 2)          # its probe, then a plan that still chooses off
         assert scout.parked != pays and not scout.scout and auto.settled_off()
         joined = [request(i) for i in range(100, 104)]
         for r in joined:
@@ -281,7 +276,7 @@ def test_a_probe_that_would_pay_for_a_whole_batch_reopens_admissions(monkeypatch
         assert auto.holds_admissions(len(batch) + 4) == pays   # reopened: their rows stay on the verifier
         if pays:   # a probe interval later admissions are parked again (auto still settled off)
             assert auto.open_steps == policy.probe_interval
-            serve_without_acceptance(auto, batch + joined, auto.open_steps)
+            serve_steps(auto, batch + joined, auto.open_steps)
             late = request(300)
             auto.admit(late)
             assert late.parked or late.scout
