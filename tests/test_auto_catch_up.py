@@ -2,7 +2,8 @@
 steps without (the first step after its prompt, a probe after a spell off) has the drafter take in
 every token committed meanwhile: on a CPU a chain k=1 step went from 51 ms to 63-91 ms then. Measured
 whole, those one-off steps priced chain k=1 above off, so auto stayed off where chain k=1 paid 1.3x.
-Such a step's drafts count as the profile prices them; the rest of the step is measured as ever.
+Such a step's drafts count as the steps without a catch-up take them (their round trip over the
+profile's draft time); the rest of the step is measured as ever.
 Each measured step's debug line says what the plan expected and what the step took and committed
 (scripts/auto_log_summary.py sums them per choice)."""
 
@@ -22,16 +23,17 @@ VERIFY, DRAFT = 0.01, 0.0005            # the test profile's verify and draft se
 CATCH_UP = 0.001                        # seconds a drafter takes per token it catches up on
 
 
-def run_step(auto, r) -> tuple[str, int]:
+def run_step(auto, r, hop: float = 0.0) -> tuple[str, int]:
     """One step as the scheduler runs it: plan; if r drafts, the drafter is sent every token committed
-    since it last drafted (its round trip grows with them), every draft is accepted; the tokens
-    committed; the step's time. -> (the choice that ran, the tokens the drafter took in)."""
+    since it last drafted (its round trip grows with them, and takes `hop` more than the profile's
+    draft), every draft is accepted; the tokens committed; the step's time. -> (the choice that ran,
+    the tokens the drafter took in)."""
     auto.plan([r], prefilling=False)
     choice, committed, backlog, draft_seconds = r.choice, 1, 0, 0.0
     if r.mode != Mode.OFF:
         backlog = len(r.tokens) - r.drafter_len
         r.drafter_len = len(r.tokens)
-        draft_seconds = DRAFT + CATCH_UP * max(0, backlog - (r.settings.k + 1))
+        draft_seconds = hop + DRAFT + CATCH_UP * max(0, backlog - (r.settings.k + 1))
         auto.observe_verdict(r, r.settings.k, r.settings.k)
         committed += r.settings.k
     r.tokens += [7] * committed
@@ -61,6 +63,29 @@ def test_a_drafters_catch_up_is_not_read_as_the_choices_step_time():
         # Every step measured as the profile has it: the verify and a draft of its shape.
         assert policy.calibration.samples[(choice, 1)][-1] == pytest.approx(1.0), (choice, backlog)
     assert caught_up and steady, (caught_up, steady)
+
+
+def test_a_catch_up_steps_drafts_are_priced_at_what_the_drafts_round_trips_take():
+    """The drafts' round trip holds more than the profile's draft time (hops, serialization, the
+    tokens appended a step): here twice the profile. A catch-up step is calibrated with its drafts
+    priced as the steps without a catch-up measured them, not at the bare profile, which would price
+    the choice below what its steps take (stand-ins with the H100's costs at C = 64: 24 ms where chain
+    k=2's steps took 31-33)."""
+    auto = controller()
+    policy = auto.policies.get(True)
+    r = request(0)
+    r.req = dataclasses.replace(r.req, max_new_tokens=10**6)
+    caught_up = []
+    for step in range(WARMUP_STEPS + 60):
+        if step % 10 == 9:   # a spell the drafter misses: the next drafting step catches up
+            r.tokens += [7] * 30
+        choice, backlog = run_step(auto, r, hop=DRAFT)
+        policy = auto.policies[True]
+        if choice != "off" and step >= WARMUP_STEPS and backlog > r.settings.k + 1:
+            caught_up.append(policy.calibration.samples[(choice, 1)][-1])
+    steady = (VERIFY + 2 * DRAFT) / (VERIFY + DRAFT)   # what a step without a catch-up measures over the model
+    assert len(caught_up) >= 3, caught_up
+    assert caught_up[1:] == pytest.approx([steady] * (len(caught_up) - 1)), caught_up
 
 
 class _Recorder:

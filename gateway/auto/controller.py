@@ -18,7 +18,7 @@ import numpy as np
 import structlog
 
 from gateway.auto.acceptance import AcceptanceBook
-from gateway.auto.costs import CostModel, bucket
+from gateway.auto.costs import CostModel, StepCalibration, bucket
 from gateway.auto.policy import OFF, AutoPolicy, Choice, CyclingPolicy, Plan, menu
 from gateway.request import ActiveRequest, Mode, SpecSettings
 from specdec.cost_profile import StepCost, tree_shape
@@ -57,6 +57,7 @@ class AutoController:
         self.step_drafts: list[list] = []    # per step plan: [expected drafts, accepted drafts, verdicts] (Plan.gains)
         self.steps_seen = 0
         self.catching_up = False   # this step's drafter also takes in tokens committed while a request did not draft
+        self.draft_trips = StepCalibration()   # drafts' round trips over the profile's draft time (see observe_step)
         self.holding: set[str] = set()   # this step: seq ids whose hidden states the verifier keeps (see plan)
         self.choice_at: dict[int, Choice] = {}   # batch bucket -> the last plan's choice there (see _plan_group)
         self.load_choice: dict[bool, Choice] = {}   # by whether overlap is allowed: the same, at the last plan
@@ -352,8 +353,8 @@ class AutoController:
         (AutoPolicy.observe_overhead); a clean one (no prefill) under one plan also calibrates the
         choice's step time. The first few steps of the gateway's life are not used: they also pay
         for opening streams and first allocations. Where a drafter caught up (see `plan`), the
-        calibration counts the step's drafts as the profile prices them, so the rest of the step
-        (the verify, the hops) is still measured; the overhead keeps them whole unless the step was
+        calibration counts the step's drafts as steps without a catch-up take them (_draft_trip),
+        so the rest of the step (the verify, the hops) is still measured; the overhead keeps them whole unless the step was
         a probe (a prompt's catch-up comes with every request that drafts)."""
         self.steps_seen += 1
         warm = self.steps_seen > WARMUP_STEPS
@@ -379,8 +380,9 @@ class AutoController:
                                per_admission_ms=round(per_admission * 1e3, 2))
             if prefilling:
                 return
+            self._price_the_drafts(plan, draft_seconds)
             if self.catching_up:
-                seconds += self.costs.draft(len(plan.speculating), plan.choice.draft_shape) - draft_seconds
+                seconds += self._draft_trip(plan) - draft_seconds
             # What the policy expected of this step next to what it took and committed, and the
             # best speculative plan it weighed (SPECDEC_LOG_LEVEL=debug).
             rival = policy.last_rival
@@ -396,6 +398,26 @@ class AutoController:
                            overhead_ms=round(plan.overhead * 1e3, 2), measured_ms=round(seconds * 1e3, 2),
                            expected_tokens=round(plan.expected_tokens, 2), tokens=self.step_tokens)
             policy.observe_step(plan, seconds)
+
+    def _price_the_drafts(self, plan: Plan, draft_seconds: float) -> None:
+        """A clean step whose requests all drafted before the verify (no overlap) and without
+        catching up: its drafts' round trip against the profile's draft time. The round trip also
+        holds the hops, serialization and the tokens appended a step, which the profile leaves out
+        (stand-ins with the H100's costs, 8B at batch 58: 14-16 ms where chain k=2's profile said
+        7.5), so a catch-up step's drafts are priced at this ratio (_draft_trip): at the bare profile,
+        each catch-up step priced chain k=2 at 24 ms where its steps took 31-33, and auto ran
+        speculation at C = 64 where it lost (0.79x of off)."""
+        c = plan.choice
+        if c != OFF and not c.overlap and not self.catching_up and draft_seconds > 0:
+            n = len(plan.speculating)
+            modelled = self.costs.draft(n, c.draft_shape)
+            self.draft_trips.observe("draft", c.draft_shape, c.width, n, draft_seconds, modelled)
+
+    def _draft_trip(self, plan: Plan) -> float:
+        """What this step's drafts would have taken without the catch-up: the profile's time times
+        the round trips' measured ratio (1 until a step measured it)."""
+        c, n = plan.choice, len(plan.speculating)
+        return self.costs.draft(n, c.draft_shape) * self.draft_trips.ratio("draft", c.draft_shape, c.width, n)
 
     def forget(self, r: ActiveRequest, ended: bool = True) -> None:
         """r leaves the batch: ended (finished, failed or cancelled; its length tells how often
