@@ -63,6 +63,7 @@ class RunResult:
     gateway_ms: float | None = None            # gateway: the step less what it waited for the services
     speedup: float | None = None   # tok/s over mode off at the same path, pair and concurrency
     same_as_off: float | None = None  # share of sequences with exactly mode off's tokens
+    wave_tok_s: list[float] = field(default_factory=list)   # gateway: each measured wave's tok/s, in the order run
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict:

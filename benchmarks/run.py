@@ -259,7 +259,9 @@ def _gateway_cells(services, cells: tuple[Cell, ...], prompts, pair: ModelPair, 
             for cell in group * waves:   # wave 1 of every cell, then wave 2, ...
                 rows[cell].append(wave(cell))
             for cell in group:   # mode off first, as the cells came (speedups are against it)
-                state.record(sorted(rows[cell], key=lambda r: r.tok_s)[len(rows[cell]) // 2])
+                row = sorted(rows[cell], key=lambda r: r.tok_s)[len(rows[cell]) // 2]
+                row.wave_tok_s = [r.tok_s for r in rows[cell]]
+                state.record(row)
     except Exception:
         for name in services.procs:
             print(services.log_tail(name, 10), file=sys.stderr)

@@ -6,6 +6,8 @@ all; auto must see what the steps of each kind really take."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -106,6 +108,40 @@ def test_a_choice_admits_prompts_as_often_as_it_ends_requests():
     for _ in range(4):   # longer answers now
         lengths.observe(128)
     assert lengths.admissions(32.0) == pytest.approx(0.25)
+
+
+def test_running_requests_are_expected_to_reach_the_lengths_of_the_requests_that_outlived_them():
+    """A burst of two-token requests ended (the sweep's warm-ups, 64 of them at C = 64) and the requests
+    running have generated more than that: those lengths say nothing about when they end. Each is
+    expected at the mean of the ended lengths beyond what it generated, capped at its own limit; the
+    batch at the harmonic mean of those."""
+    lengths = RequestLengths(window=8)
+    for n in (2, 2, 2, 2, 2, 2, 64, 64):
+        lengths.observe(n)
+    assert lengths.admissions(64.0) == pytest.approx(64.0 / 17.5)   # the window's mean, before `running`
+    lengths.running(np.array([5.0, 10.0]), np.array([64.0, 64.0]))
+    assert lengths.admissions(64.0) == pytest.approx(1.0)           # both end at 64 tokens
+    lengths.running(np.array([0.0, 1.0]), np.array([64.0, 64.0]))  # not past the burst's length yet
+    assert lengths.admissions(64.0) == pytest.approx(64.0 / 17.5)
+    lengths.running(np.array([5.0, 70.0]), np.array([32.0, 200.0]))   # capped at 32; none outlived 70: its limit
+    assert lengths.admissions(64.0) == pytest.approx(64.0 * (1 / 32 + 1 / 200) / 2)
+
+
+def test_the_controller_prices_admissions_from_the_running_requests_lengths():
+    """A plan's overheads use what the requests it is for have generated: after a burst of two-token
+    requests ended, a batch of requests past two tokens is priced at their own limit's length."""
+    auto = controller()
+    reqs = [new_request(i) for i in range(8)]
+    for r in reqs:
+        r.req = dataclasses.replace(r.req, max_new_tokens=64)
+        r.tokens += [7] * 10   # 10 generated
+    auto.plan(reqs)
+    policy = auto.policies[True]
+    for _ in range(8):
+        policy.lengths.observe(2)
+    auto.plans.clear()   # a full plan next step
+    auto.plan(reqs)
+    assert policy.lengths.admissions(64.0) == pytest.approx(1.0)
 
 
 def test_a_choices_overhead_is_its_admissions_times_its_kinds_cost_per_prompt():

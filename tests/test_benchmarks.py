@@ -6,6 +6,7 @@ tokens, and the report section lands between its markers."""
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is n
 
 from benchmarks import report, run  # noqa: E402
 from benchmarks.grid import CONFIGS  # noqa: E402
+from benchmarks.metrics import RunResult  # noqa: E402
 
 CONFIG_NAMES = ["off", "chain k=2", "chain k=2 no-overlap", "tree topk=2"]
 
@@ -192,7 +194,7 @@ def test_tiny_concurrency_sweep_with_auto(tmp_path):
         assert off["accepted"] == 0 and off["drafted"] <= off["steps"], off
     # the gateway's step split over each measured wave: overlap's pre-drafts ran beside the verify
     for (config, a, c), r in by_cell.items():
-        assert r["verify_ms"] > 0, r
+        assert r["verify_ms"] > 0 and r["wave_tok_s"] == [r["tok_s"]], r
         if config == "off":
             assert r["overlap_hidden"] is None and r["draft_ms"] == 0, r
         elif config == "chain k=2":
@@ -202,6 +204,27 @@ def test_tiny_concurrency_sweep_with_auto(tmp_path):
     assert "suite" in text and text.count(sweep_report.BEGIN) == 1 and sweep_report.END in text
     section = text.split(sweep_report.BEGIN)[1]
     assert "### tiny random, a = 1" in section and "auto / best fixed" in section and "### Aims" in section
+
+
+def test_sweep_ratios_pair_the_waves_that_ran_side_by_side():
+    """auto against another mode: the median of their waves' ratios (wave i of each ran in turn), so a
+    slow spell that took one mode's wave 1 and every mode's wave 2 does not read as auto's loss."""
+    from benchmarks.sweep_report import comparison
+
+    def row(config: str, waves: list[float]) -> RunResult:
+        return RunResult("gateway", "p", config, 32, 0.8, sorted(waves)[1], 8.0, 9.0, 50.0, 20.0, 100, 0, 0, 1.0, None,
+                         wave_tok_s=waves)
+
+    # H100, C = 32: chain's and auto's waves 2 and auto's wave 1 ran in a slow spell
+    off, chain, auto = row("off", [2724, 2371, 2610]), row("chain k=4", [3668, 2666, 3573]), \
+        row("auto", [2907, 3093, 3442])
+    d = comparison([off, chain, auto])[0]
+    assert d["best_name"] == "chain k=4"
+    assert d["vs_best"] == pytest.approx(3442 / 3573)   # the waves' ratios: 0.79, 1.16, 0.96
+    assert d["waves_vs_best"] == pytest.approx([2907 / 3668, 3093 / 2666, 3442 / 3573])
+    assert d["vs_off"] == pytest.approx(statistics.median([2907 / 2724, 3093 / 2371, 3442 / 2610]))
+    chain.wave_tok_s = []   # rows without their waves (older results): the rows' ratio
+    assert comparison([off, chain, auto])[0]["vs_best"] == pytest.approx(3093 / 3573)
 
 
 def test_step_split_share_of_drafter_time_hidden():

@@ -273,7 +273,11 @@ class AutoController:
             plan, known = cached.plan, cached.known
             keep = set(plan.speculating) | ({i for i in ids if i not in known} if plan.choice != OFF else set())
             return dataclasses.replace(plan, speculating=[i for i in ids if i in keep])
-        remaining = np.array([r.req.max_new_tokens - r.generated for r in group], dtype=np.float64)
+        limits = np.array([r.req.max_new_tokens for r in group], dtype=np.float64)
+        generated = np.array([r.generated for r in group], dtype=np.float64)
+        remaining = limits - generated
+        if isinstance(policy, AutoPolicy):
+            policy.lengths.running(generated, limits)
         if not explore:   # off while still learning: redone at the next step that can explore (below)
             plan = policy.plan(ids, others, other_width, other_tokens, explore=False, remaining=remaining)
             learning = plan.choice == OFF and not policy.settled_off

@@ -14,6 +14,8 @@ import bisect
 import statistics
 from collections import defaultdict, deque
 
+import numpy as np
+
 from specdec.cost_profile import StepCost
 
 
@@ -241,11 +243,19 @@ class RequestLengths:
     tokens a step ends T / (mean length) requests a step, and so admits as many prompts (a closed
     loop or a queue: every request that ends makes room for the next). Counted from endings, not
     from the admissions a window of steps saw: clients that mode off keeps in lockstep admit a wave
-    once a request length, which such a window holds whole or misses."""
+    once a request length, which such a window holds whole or misses.
+
+    The mean that prices a plan is the running requests' own (`running`): each is expected to reach
+    the mean length of the ended requests that outlived what it has generated (capped at its own
+    limit), so a burst of short requests that ended does not stand for the longer ones still
+    running. The sweep's 64 two-token warm-ups before each wave at C = 64 filled the window: the
+    unconditioned mean (2 tokens) had every step admit 32 prompts, charged off 170 ms a step and
+    chain k=2 401 (H100, 8B), and auto ran off where chain k=4 won (0.95x of it)."""
 
     def __init__(self, window: int = 64) -> None:
         self.lengths: deque = deque(maxlen=window)
-        self.total = 0   # the window's sum (a plan asks per choice)
+        self.total = 0          # the window's sum
+        self.expected = None    # the running requests' expected length (`running`); None: the window's mean
 
     def observe(self, generated: int) -> None:
         if len(self.lengths) == self.lengths.maxlen:
@@ -253,6 +263,23 @@ class RequestLengths:
         self.lengths.append(generated)
         self.total += generated
 
+    def running(self, generated: np.ndarray, limits: np.ndarray) -> None:
+        """The requests the next plans are for: [n] tokens each has generated and may generate at
+        most. Each is expected to end at the mean of min(length, its limit) over the ended requests
+        longer than what it has generated (at its limit when none was); the batch's expected
+        length is the harmonic mean of those (each request ends at its own rate)."""
+        if not self.lengths or not len(generated):
+            self.expected = None
+            return
+        ended = np.fromiter(self.lengths, dtype=np.float64)          # [S]
+        outlived = ended[None, :] > generated[:, None]               # [n, S]
+        capped = np.minimum(ended[None, :], limits[:, None])         # [n, S]
+        count = outlived.sum(axis=1)
+        each = np.where(count > 0, (capped * outlived).sum(axis=1) / np.maximum(count, 1), limits)   # [n]
+        self.expected = float(1.0 / np.mean(1.0 / np.maximum(each, 1.0)))
+
     def admissions(self, tokens: float) -> float:
         """Expected prompts admitted a step for a choice committing `tokens` a step (0 until a request ended)."""
-        return tokens * len(self.lengths) / self.total if self.total else 0.0
+        if not self.total:
+            return 0.0
+        return tokens / (self.expected if self.expected is not None else self.total / len(self.lengths))
