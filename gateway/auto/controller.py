@@ -401,7 +401,7 @@ class AutoController:
                            model_ms=round(plan.model_seconds * 1e3, 2), expected_ms=round(plan.seconds * 1e3, 2),
                            overhead_ms=round(plan.overhead * 1e3, 2), measured_ms=round(seconds * 1e3, 2),
                            expected_tokens=round(plan.expected_tokens, 2), tokens=self.step_tokens)
-            policy.observe_step(plan, seconds)
+            policy.observe_step(plan, seconds, bound=self.catching_up)
 
     def _price_the_drafts(self, plan: Plan, draft_seconds: float) -> None:
         """A clean step whose requests all drafted before the verify (no overlap) and without

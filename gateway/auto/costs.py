@@ -53,16 +53,30 @@ class StepCalibration:
     choices measured at both buckets changed between them (costs the profile misses, like
     contention on a shared GPU, can grow with the batch: a small batch's figure alone would make
     every choice look good at a large one, and each would be tried in turn); with nothing to go
-    on it is the bare model, so the choice gets tried once and measured."""
+    on it is the bare model, so the choice gets tried once and measured.
+
+    A step that also did one-off work (a drafter catching up after steps without drafts, the rows
+    the verifier held while requests ran off) is only an upper bound on its choice's steps: it caps
+    the estimate until a clean step measures the choice at that bucket, and is never borrowed. Read
+    as a measurement, the first step of chain k=2 after a spell off at C = 64 (28 ms, its clean
+    steps ~20) priced it and its kin chain k=4 at 37 ms (~31) for the rest of the run, and auto
+    stayed off where chain k=4 ran 1.08x of off (H100, 8B)."""
 
     def __init__(self, window: int = 5) -> None:
         self.window = window
         self.samples: dict[tuple[str, int], deque] = {}          # (choice name, bucket) -> ratios
         self.kinds: dict[str, dict[int, set[str]]] = {}          # kind -> width -> measured choice names
+        self.bounds: dict[tuple[str, int], float] = {}           # (choice name, bucket) -> least bounding ratio
 
-    def observe(self, kind: str, name: str, width: int, batch: int, measured: float, modelled: float) -> None:
+    def observe(self, kind: str, name: str, width: int, batch: int, measured: float, modelled: float,
+                bound: bool = False) -> None:
+        """bound: the step also did one-off work; its ratio only bounds the choice's from above."""
         if modelled > 0 and measured > 0:
-            self.samples.setdefault((name, bucket(batch)), deque(maxlen=self.window)).append(measured / modelled)
+            key = (name, bucket(batch))
+            if bound:
+                self.bounds[key] = min(self.bounds.get(key, float("inf")), measured / modelled)
+                return
+            self.samples.setdefault(key, deque(maxlen=self.window)).append(measured / modelled)
             self.kinds.setdefault(kind, {}).setdefault(width, set()).add(name)
 
     def measured(self, name: str, batch: int) -> int:
@@ -79,6 +93,10 @@ class StepCalibration:
         b = bucket(batch)
         if (name, b) in self.samples:
             return _value(self.samples[(name, b)])
+        return min(self._estimate(kind, name, width, b, optimistic), self.bounds.get((name, b), float("inf")))
+
+    def _estimate(self, kind: str, name: str, width: int, b: int, optimistic: bool) -> float:
+        """A choice not measured at bucket b: borrowed (see ratio)."""
         best = None
         for ratios, scale in self._borrowed(kind, name, width, b):
             value = _value(ratios) * scale

@@ -264,10 +264,11 @@ class AutoPolicy:
         """Off is its choice, and a probe lost since it chose off (the probe interval has grown)."""
         return self.current == OFF and self.probe_interval > self.probe_start
 
-    def observe_step(self, plan: Plan, seconds: float) -> None:
-        """The measured wall time of a clean step that ran `plan` for the whole batch."""
+    def observe_step(self, plan: Plan, seconds: float, bound: bool = False) -> None:
+        """The measured wall time of a step without prompts that ran `plan` for the whole batch;
+        bound: it also did one-off work (a drafter's catch-up), so it only bounds the choice's time."""
         c = plan.choice
-        self.calibration.observe(c.kind, c.name, c.width, plan.batch, seconds, plan.model_seconds)
+        self.calibration.observe(c.kind, c.name, c.width, plan.batch, seconds, plan.model_seconds, bound)
 
     def observe_tokens(self, plan: Plan, expected: float, accepted: float, verdicts: int) -> None:
         """The verdicts of `verdicts` requests that `plan` made speculate: the drafts it expected of them
