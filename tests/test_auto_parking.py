@@ -165,6 +165,39 @@ def test_plans_of_off_hold_the_hidden_states_on_the_verifier():
         assert seen == ({"off", "drafts", "admissions held"} if hidden else {"off", "drafts"})
 
 
+def test_a_probe_keeps_the_other_requests_rows_held():
+    """Before auto settles, a probe drafts one request of a batch that runs off: the others' rows stay
+    on the verifier (a probe of one request at C = 64 sent every request's rows: 164 ms, H200, 8B),
+    while a plan that drafts for every request holds none."""
+    from types import SimpleNamespace
+
+    from gateway.scheduler import Scheduler
+
+    auto = controller(hidden_states=True)
+    reqs = [request(i) for i in range(8)]
+    for r in reqs:
+        r.req = dataclasses.replace(r.req, max_new_tokens=10**6)
+    sched = SimpleNamespace(auto=auto)
+    probes = 0
+    for _ in range(300):
+        auto.plan(reqs)
+        if not auto.step_plans:   # settled: every request parked
+            break
+        Scheduler._hold_or_release(sched, reqs)   # as the scheduler does after each plan
+        (_, plan, _), = auto.step_plans
+        if plan.probe and plan.choice.mode != Mode.OFF and all(r.rows_held for r in reqs
+                                                               if r.seq_id not in plan.speculating):
+            probes += 1
+            held = {r.seq_id for r in reqs if r.seq_id not in plan.speculating}
+            assert held and auto.holding == held, (plan.speculating, auto.holding)
+        for r in reqs:
+            r.draft_family = draft_family(r.settings, r.mode)
+            auto.observe_verdict(r, r.settings.k if r.mode == Mode.CHAIN else 0, 0)
+            r.tokens.append(7)
+        auto.observe_step(step_seconds(reqs))
+    assert probes, "no probe ran while the batch's rows were held"
+
+
 def test_a_held_request_fetches_its_hidden_states_before_it_drafts():
     """The scheduler's side: a request whose hidden states the verifier holds and which auto now
     plans to draft runs off for one step (its verdict brings them), then drafts; the step is not

@@ -232,13 +232,16 @@ class AutoController:
                               request_ids=sorted({r.req.request_id for r in group})[:16])
         for r in group:
             self._apply(r, choice if r.seq_id in speculating else OFF)
-        if self.hidden_states and choice == OFF:
+        if self.hidden_states:
             # A plan of off for the group: its requests' hidden states stay on the verifier until
             # one drafts again, so the steps off cost what mode off's do and off is priced from
             # them. (Else auto priced off from steps that carried rows: on the H100, 1,245 tok/s
             # at C = 32 where mode off ran 2,560, and speculation at 0.76x of off kept winning.)
-            # The scout keeps its rows: its probe drafts at once.
-            self.holding.update(r.seq_id for r in group if not r.scout)
+            # A plan that drafts for some requests (a probe drafts one) keeps the others' rows
+            # held where they were: a probe of one request at C = 64 sent every request's rows,
+            # a 164 ms step (H200, 8B). The scout keeps its rows: its probe drafts at once.
+            self.holding.update(r.seq_id for r in group if not r.scout and (
+                choice == OFF or (r.rows_held and r.seq_id not in speculating)))
 
     def _cached_plan(self, policy, group: list[ActiveRequest], overlap_allowed: bool, others: int, other_width: int,
                      other_tokens: float, prefilling: bool) -> Plan:
