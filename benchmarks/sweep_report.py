@@ -133,9 +133,10 @@ def section(runs: list[tuple[list[RunResult], dict]], out_dir: Path) -> str:
     out = [BEGIN, "## Concurrency sweep: every mode and `--mode auto`, through the gateway", "",
            f"{meta['date']}, {meta['machine']}, torch {meta['torch']}, {meta['dtype']}; {meta['max_new_tokens']} new "
            f"tokens per sequence, greedy; each row the median of {waves} wave{'s' * (waves > 1)} of {load}; "
-           "every ratio against mode off of the same run, the median of the ratios of waves run side by side. Random pair: controlled acceptance a "
-           "(benchmarks/run.py explains it); SmolLM2: its shipped EAGLE-3 head on held-out chat prompts. auto is "
-           "one gateway per pair and a, so what it learned at one C carries to the next, as in a running server.",
+           "every ratio against mode off of the same run, the median of the ratios of waves run side by side. "
+           "Random pair: controlled acceptance a (benchmarks/run.py explains it); SmolLM2: its shipped EAGLE-3 "
+           "head on held-out chat prompts. auto is one gateway per pair and a, so what it learned at one C "
+           "carries to the next, as in a running server.",
            "", "```", *(m["command"] for _, m in runs), "```", ""]
     plots = importlib.util.find_spec("matplotlib") is not None
     if not plots:

@@ -57,7 +57,7 @@ class AutoController:
         self.step_drafts: list[list] = []    # per step plan: [expected drafts, accepted drafts, verdicts] (Plan.gains)
         self.steps_seen = 0
         self.catching_up = False   # this step's drafter also takes in tokens committed while a request did not draft
-        self.draft_trips = StepCalibration()   # drafts' round trips over the profile's draft time (see observe_step)
+        self.draft_trips = StepCalibration()   # drafts' round trips over the profile's (_price_the_drafts)
         self.holding: set[str] = set()   # this step: seq ids whose hidden states the verifier keeps (see plan)
         self.choice_at: dict[int, Choice] = {}   # batch bucket -> the last plan's choice there (see _plan_group)
         self.load_choice: dict[bool, Choice] = {}   # by whether overlap is allowed: the same, at the last plan
@@ -360,9 +360,10 @@ class AutoController:
         (AutoPolicy.observe_overhead); a clean one (no prefill) under one plan also calibrates the
         choice's step time. The first few steps of the gateway's life are not used: they also pay
         for opening streams and first allocations. Where a drafter caught up (see `plan`), the
-        calibration counts the step's drafts as steps without a catch-up take them (_draft_trip),
-        so the rest of the step (the verify, the hops) is still measured; the overhead keeps them whole unless the step was
-        a probe (a prompt's catch-up comes with every request that drafts)."""
+        step's drafts count as steps without a catch-up take them (_draft_trip), the rest of the
+        step (the verify, the hops) as measured, and the step only bounds its choice's time from
+        above (StepCalibration); the overhead keeps the drafts whole unless the step was a probe
+        (a prompt's catch-up comes with every request that drafts)."""
         self.steps_seen += 1
         warm = self.steps_seen > WARMUP_STEPS
         one = (self.step_plans[0] if warm and len(self.step_plans) == 1 and not self.step_plans[0][2]
