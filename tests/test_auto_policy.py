@@ -72,6 +72,25 @@ def test_high_acceptance_speculates_and_large_compute_bound_batches_do_not():
     assert p.plan(ids, 0, 1, 0.0).choice == OFF
 
 
+def test_the_rival_logged_is_the_best_speculative_plan_besides_the_choice():
+    """What a choice beat: the best other speculative plan (logged with each measured step); with off
+    chosen, the best speculative plan."""
+    p = policy(profile(memory_bound, cheap_draft))
+    rng = np.random.default_rng(0)
+    for family in ("chain", *(c.family for c in p.choices if c.mode == Mode.TREE)):
+        observe(p, "r0", family, 0.8, 30, rng)
+    chosen = p.plan(["r0"], 0, 1, 0.0)
+    assert chosen.choice != OFF and p.last_rival is not None and p.last_rival.choice not in (OFF, chosen.choice)
+    others = [c for c in p.choices if c not in (OFF, chosen.choice)]
+    best_other = max(p._scored(others, ["r0"], 0, 1, 0.0, None), key=lambda q: q.tokens_per_second)
+    assert p.last_rival.choice == best_other.choice
+    q = policy(profile(memory_bound, cheap_draft))
+    for family in ("chain", *(c.family for c in q.choices if c.mode == Mode.TREE)):
+        observe(q, "r0", family, 0.0, 30, rng)
+    assert q.plan(["r0"], 0, 1, 0.0).choice == OFF
+    assert q.last_rival is not None and q.last_rival.choice != OFF
+
+
 def test_requests_whose_drafts_fail_are_left_out():
     def per_sequence_draft(b, n):   # a drafter whose cost grows with every sequence it drafts for
         return 0.0005 * n * b

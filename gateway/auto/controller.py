@@ -392,7 +392,7 @@ class AutoController:
             if self.catching_up:
                 seconds += self._draft_trip(plan) - draft_seconds
             # What the policy expected of this step next to what it took and committed, and the
-            # best speculative plan it weighed (SPECDEC_LOG_LEVEL=debug).
+            # best other speculative plan it weighed (SPECDEC_LOG_LEVEL=debug).
             rival = policy.last_rival
             self.log.debug("auto step", choice=plan.choice.name, batch=plan.batch,
                            rival=rival.choice.name if rival else None,

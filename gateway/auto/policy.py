@@ -156,7 +156,7 @@ class AutoPolicy:
         self.probe_interval = probe_start
         self.steps_off = 0
         self.last_off: Plan | None = None
-        self.last_rival: Plan | None = None   # the best speculative plan of the last choice (logged with it)
+        self.last_rival: Plan | None = None   # the best speculative plan besides the last choice (logged)
 
     def plan(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
              explore: bool = True, remaining: np.ndarray | None = None, steps: int = 1) -> Plan:
@@ -237,14 +237,18 @@ class AutoPolicy:
         the current choice's (if among them) unless the best is `switch_margin` better."""
         off = next((p for p in scored if p.choice == OFF), None)
         self.last_off = off   # (logged beside each new choice: what off was expected to give)
-        self.last_rival = max((p for p in scored if p.choice != OFF), key=lambda p: p.tokens_per_second, default=None)
+        candidates = scored
         if off is not None:
             bar = off.tokens_per_second * (1 + self.speculation_margin)
-            scored = [p for p in scored if p.choice == OFF or p.tokens_per_second >= bar]
-        best = max(scored, key=lambda p: p.tokens_per_second)
-        current = next((p for p in scored if p.choice == self.current), None)
+            candidates = [p for p in scored if p.choice == OFF or p.tokens_per_second >= bar]
+        best = max(candidates, key=lambda p: p.tokens_per_second)
+        current = next((p for p in candidates if p.choice == self.current), None)
         if current is not None and best.tokens_per_second <= current.tokens_per_second * (1 + self.switch_margin):
-            return current
+            best = current
+        # The best speculative plan besides the one chosen (logged with each measured step: what a
+        # choice beat, so a log shows which sibling it was weighed against and at what price).
+        self.last_rival = max((p for p in scored if p.choice not in (OFF, best.choice)),
+                              key=lambda p: p.tokens_per_second, default=None)
         return best
 
     def pays_for_a_batch(self, batch: int) -> bool:
