@@ -6,6 +6,7 @@ the scheduler's time went, by what its steps did ("scheduler step" lines, every 
 
     python scripts/auto_log_summary.py /tmp/logs/gateway.log [more logs]
     python scripts/auto_log_summary.py --by-mode /tmp/w/gateway-a0.8.log   # a sweep's gateway: each mode apart
+    python scripts/auto_log_summary.py --by-bucket gateway.log   # choices per batch size, and their rivals
 """
 
 from __future__ import annotations
@@ -134,11 +135,55 @@ def summarize(lines) -> dict[str, ChoiceSteps]:
     return dict(out)
 
 
+@dataclass
+class BucketChoice:
+    steps: int = 0               # measured steps that are not probes
+    expected_tps: float = 0.0    # sums: tokens a second expected of the step (its overhead included)
+    measured_tps: float = 0.0    # tokens committed over the step's measured time (clean)
+    rivals: dict = None          # rival -> [times logged, its expected tokens a second summed]
+
+
+def by_bucket(lines) -> dict[int, dict[str, BucketChoice]]:
+    """'auto step' lines -> per power-of-two batch bucket and choice: what auto expected of its steps,
+    what they committed a second, and the best other speculative plan it weighed (the rival) with
+    its price: where a choice that never ran there lost, and at what price."""
+    out: dict[int, dict[str, BucketChoice]] = defaultdict(dict)
+    for f in _events(lines, "auto step"):
+        if f.get("probe") == "True":
+            continue
+        b = 1 << max(0, int(f["batch"]) - 1).bit_length()
+        c = out[b].setdefault(f["choice"], BucketChoice(rivals={}))
+        c.steps += 1
+        c.expected_tps += 1e3 * float(f["expected_tokens"]) / (float(f["expected_ms"]) + float(f["overhead_ms"]))
+        c.measured_tps += 1e3 * float(f["tokens"]) / float(f["measured_ms"])
+        if f.get("rival") not in (None, "None"):
+            r = c.rivals.setdefault(f["rival"], [0, 0.0])
+            r[0] += 1
+            r[1] += float(f["rival_tokens_per_second"])
+    return dict(out)
+
+
+def print_by_bucket(lines) -> None:
+    buckets = by_bucket(lines)
+    if not buckets:
+        return
+    print("\n| batch bucket | choice | steps | expected tok/s | clean tok/s | rival (most logged) "
+          "| rival expected tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for b, choices in sorted(buckets.items()):
+        for name, c in sorted(choices.items(), key=lambda kv: -kv[1].steps):
+            rival, (n, tps) = max(c.rivals.items(), key=lambda kv: kv[1][0], default=("-", (1, 0.0)))
+            print(f"| {b} | {name} | {c.steps} | {c.expected_tps / c.steps:.0f} | {c.measured_tps / c.steps:.0f} | "
+                  f"{rival} | {tps / n:.0f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("logs", nargs="+")
     p.add_argument("--by-mode", action="store_true",
                    help="the scheduler's steps apart for each mode and run length (see by_mode)")
+    p.add_argument("--by-bucket", action="store_true",
+                   help="auto's choices per batch bucket, with the rival each was weighed against (see by_bucket)")
     args = p.parse_args()
     lines = []
     for path in args.logs:
@@ -158,6 +203,8 @@ def main() -> None:
         for kind, a in sorted(taken.items()):
             print(f"| {kind} | {a.steps} | {a.admitted} | {a.excess_ms / max(1, a.admitted):.2f} | "
                   f"{a.charged_ms / a.steps:.2f} |")
+    if args.by_bucket:
+        print_by_bucket(lines)
     if args.by_mode:
         for label, block in sorted(by_mode(lines).items()):
             print_step_kinds(block, f"steps of {label}")
