@@ -63,6 +63,7 @@ class AutoController:
         self.load_choice: dict[bool, Choice] = {}   # by whether overlap is allowed: the same, at the last plan
         self.step_tokens = self.step_requests = 0   # this step's verdicts: tokens committed, requests
         self.step_running = 0                       # this step's requests that verify (auto or not)
+        self.steps_planned = 0                      # every step's plan (the clock of Vacancies)
 
     def _policy(self, overlap_allowed: bool) -> AutoPolicy | CyclingPolicy | None:
         if self.costs is None:
@@ -165,6 +166,7 @@ class AutoController:
         """prefilling: the step also prefills prompts (its time will not be measured), so it runs
         only choices already measured at this batch size (AutoPolicy.plan's explore=False)."""
         self._flush_drafts()
+        self.steps_planned += 1
         self.step_plans, self.step_drafts = [], []
         self.step_running = len(continuing)
         self.catching_up = False
@@ -229,6 +231,7 @@ class AutoController:
                               off_step_ms=round(off.seconds * 1e3, 2) if off else None,
                               off_overhead_ms=round(off.overhead * 1e3, 2) if off else None,
                               overhead_ms=round(plan.overhead * 1e3, 2),
+                              vacancy_steps=round(policy.vacancies.steps(), 2) if off else None,
                               request_ids=sorted({r.req.request_id for r in group})[:16])
         for r in group:
             self._apply(r, choice if r.seq_id in speculating else OFF)
@@ -366,6 +369,9 @@ class AutoController:
         (a prompt's catch-up comes with every request that drafts)."""
         self.steps_seen += 1
         warm = self.steps_seen > WARMUP_STEPS
+        if admitted:
+            for policy in self._auto_policies():
+                policy.vacancies.admitted(self.steps_planned, admitted)
         one = (self.step_plans[0] if warm and len(self.step_plans) == 1 and not self.step_plans[0][2]
                and isinstance(self.step_plans[0][0], AutoPolicy) else None)
         for policy in self._auto_policies():
@@ -434,6 +440,7 @@ class AutoController:
         if ended:
             for policy in self._auto_policies():
                 policy.lengths.observe(r.generated)
+                policy.vacancies.ended(self.steps_planned)
         self.book.forget(r.seq_id)
         if r is self.scout:   # ended before (or right after) its probe: the next admission may scout
             self.scout = None

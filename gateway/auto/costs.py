@@ -296,8 +296,13 @@ class RequestLengths:
         each = np.where(count > 0, (capped * outlived).sum(axis=1) / np.maximum(count, 1), limits)   # [n]
         self.expected = float(1.0 / np.mean(1.0 / np.maximum(each, 1.0)))
 
+    def length(self) -> float | None:
+        """The running requests' expected length (else the window's mean; None until a request ended)."""
+        if not self.total:
+            return None
+        return self.expected if self.expected is not None else self.total / len(self.lengths)
+
     def admissions(self, tokens: float) -> float:
         """Expected prompts admitted a step for a choice committing `tokens` a step (0 until a request ended)."""
-        if not self.total:
-            return 0.0
-        return tokens / (self.expected if self.expected is not None else self.total / len(self.lengths))
+        length = self.length()
+        return tokens / length if length else 0.0

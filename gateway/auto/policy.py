@@ -44,6 +44,7 @@ import numpy as np
 
 from gateway.auto.acceptance import AcceptanceBook, TokenCalibration
 from gateway.auto.costs import CostModel, RequestLengths, StepCalibration, StepOverheads
+from gateway.auto.occupancy import Vacancies, occupancy
 from gateway.request import Mode
 from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, chain_shape, predraft_shape, tree_shape
 
@@ -145,6 +146,7 @@ class AutoPolicy:
         self.tokens = TokenCalibration()
         self.overheads = StepOverheads()
         self.lengths = RequestLengths()
+        self.vacancies = Vacancies()
         self.min_observations, self.min_measured = min_observations, min_measured
         self.challenge_every, self.challenge_within = challenge_every, challenge_within
         self.plans_since_challenge = 0
@@ -298,6 +300,12 @@ class AutoPolicy:
         else:
             self.overheads.skip(admitted)
 
+    def _occupancy(self, batch: int, tokens: float) -> float:
+        """The share of the batch a choice committing `tokens` a step keeps filled, where each request
+        that ends leaves its slot empty until the next admission (gateway/auto/occupancy.py): the
+        plans at one batch size are compared as each would run, not all at the batch in front of it."""
+        return occupancy(tokens / max(1, batch), self.vacancies.steps(), self.lengths.length())
+
     def _overhead(self, speculating: bool, batch: int, tokens: float) -> float:
         """What a step committing `tokens` over `batch` requests is expected to take over its clean
         time: the prompts it will admit a step (RequestLengths) times its kind's cost per prompt."""
@@ -324,8 +332,8 @@ class AutoPolicy:
             calibrated = seconds * self.calibration.ratio(OFF.kind, OFF.name, OFF.width, batch)
             tokens = len(seq_ids) + other_tokens
             overhead = self._overhead(False, batch, tokens)
-            return Plan(OFF, [], tokens / (calibrated + overhead), batch=batch, model_seconds=seconds,
-                        expected_tokens=tokens, seconds=calibrated, overhead=overhead)
+            return Plan(OFF, [], tokens / (calibrated + overhead) * self._occupancy(batch, tokens), batch=batch,
+                        model_seconds=seconds, expected_tokens=tokens, seconds=calibrated, overhead=overhead)
         raw = prefix[0][:, c.positions - 1]                            # [n] E - 1
         gain = raw if optimistic else raw * self.tokens.ratio
         full = prefix[1][:, c.positions - 1]                           # [n]
@@ -346,8 +354,9 @@ class AutoPolicy:
             floor = off + (0.0 if c.overlap else self.costs.draft(n, c.draft_shape))
             step = max(seconds * ratio, floor)
             overhead = self._overhead(True, batch, tokens)
-            if tokens / (step + overhead) > best[0]:
-                best = (tokens / (step + overhead), n, seconds, tokens, step, overhead)
+            tps = tokens / (step + overhead) * self._occupancy(batch, tokens)
+            if tps > best[0]:
+                best = (tps, n, seconds, tokens, step, overhead)
         tps, n, seconds, tokens, step, overhead = best
         return Plan(c, [seq_ids[i] for i in order[:n]], tps, batch=batch, model_seconds=seconds, expected_tokens=tokens,
                     seconds=step, overhead=overhead, gains={seq_ids[i]: float(raw[i]) for i in order[:n]})
