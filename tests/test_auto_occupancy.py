@@ -29,6 +29,11 @@ def test_an_ending_is_matched_with_the_next_admission_and_a_stale_one_dropped():
     v.ended(20)
     v.admitted(40, 1)                    # 20 steps on: the load fell, that slot was not refilled
     assert list(v.gaps) == [3, 3] and not v.open
+    v.ended(41)
+    v.admitted(44, 1)
+    v.ended(45)
+    v.admitted(54, 1)                    # a wave's end: its slots wait for every client to finish
+    assert list(v.gaps) == [3, 3, 3, 9] and v.steps() == 3.0   # the median
 
 
 def test_occupancy_is_littles_law_over_a_slots_cycle():

@@ -16,6 +16,7 @@ fell). `occupancy` turns it into the share of a full batch a choice keeps busy.
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 
 
@@ -36,8 +37,10 @@ class Vacancies:
             self.gaps.append(step - self.open.popleft())
 
     def steps(self) -> float:
-        """Mean steps from an ending to the admission that refilled its slot (0 until measured)."""
-        return sum(self.gaps) / len(self.gaps) if len(self.gaps) >= self.min_samples else 0.0
+        """Steps from an ending to the admission that refilled its slot, the median of the last ones
+        (a wave's end, whose slots wait for every client to finish, must not stand for the rest;
+        0 until measured)."""
+        return float(statistics.median(self.gaps)) if len(self.gaps) >= self.min_samples else 0.0
 
 
 def occupancy(tokens_per_request: float, gap_steps: float, length: float | None) -> float:
