@@ -27,14 +27,18 @@ class Vacancies:
         self.expiry, self.min_samples = expiry, min_samples
 
     def ended(self, step: int) -> None:
+        self._expire(step)
         self.open.append(step)
 
     def admitted(self, step: int, n: int) -> None:
         """n requests were admitted at `step` (each the first to fill a slot that an ending left)."""
-        while self.open and step - self.open[0] > self.expiry:
-            self.open.popleft()
+        self._expire(step)
         for _ in range(min(n, len(self.open))):
             self.gaps.append(step - self.open.popleft())
+
+    def _expire(self, step: int) -> None:
+        while self.open and step - self.open[0] > self.expiry:
+            self.open.popleft()
 
     def steps(self) -> float:
         """Steps from an ending to the admission that refilled its slot, the median of the last ones
