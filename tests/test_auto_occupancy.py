@@ -34,6 +34,10 @@ def test_an_ending_is_matched_with_the_next_admission_and_a_stale_one_dropped():
     v.ended(45)
     v.admitted(54, 1)                    # a wave's end: its slots wait for every client to finish
     assert list(v.gaps) == [3, 3, 3, 9] and v.steps() == 3.0   # the median
+    for step in (60, 70):
+        v.ended(step)
+        v.admitted(step + 9, 1)
+    assert v.steps() == 6.0                                    # and it follows new gaps
 
 
 def test_occupancy_is_littles_law_over_a_slots_cycle():

@@ -25,6 +25,7 @@ class Vacancies:
         self.open: deque = deque()                   # steps at which requests ended, not yet matched
         self.gaps: deque = deque(maxlen=window)      # steps from an ending to the admission that matched it
         self.expiry, self.min_samples = expiry, min_samples
+        self.median: float | None = None             # of the gaps, until they change (a plan asks per choice)
 
     def ended(self, step: int) -> None:
         self._expire(step)
@@ -35,6 +36,7 @@ class Vacancies:
         self._expire(step)
         for _ in range(min(n, len(self.open))):
             self.gaps.append(step - self.open.popleft())
+            self.median = None
 
     def _expire(self, step: int) -> None:
         while self.open and step - self.open[0] > self.expiry:
@@ -44,7 +46,11 @@ class Vacancies:
         """Steps from an ending to the admission that refilled its slot, the median of the last ones
         (a wave's end, whose slots wait for every client to finish, must not stand for the rest;
         0 until measured)."""
-        return float(statistics.median(self.gaps)) if len(self.gaps) >= self.min_samples else 0.0
+        if len(self.gaps) < self.min_samples:
+            return 0.0
+        if self.median is None:
+            self.median = float(statistics.median(self.gaps))
+        return self.median
 
 
 def occupancy(tokens_per_request: float, gap_steps: float, length: float | None) -> float:

@@ -18,7 +18,9 @@ start-up profiles (gateway/auto/costs.py) times a calibration: measured / modell
 choice and batch bucket, which carries what the profiles cannot see (gRPC and Python on three hops,
 contention on a shared GPU), plus what the kind's steps (off, speculating) take over their clean
 time per prompt they admit (StepOverheads) times the prompts the choice admits a step: a choice
-that commits more tokens a request ends requests, and admits the next prompts, sooner (RequestLengths). A
+that commits more tokens a request ends requests, and admits the next prompts, sooner (RequestLengths).
+tokens(c) / time(c) is then scaled by the share of the batch c keeps filled where each ending leaves
+its slot empty until the next admission (gateway/auto/occupancy.py). A
 request speculates only while its expected gain pays for its share of the draft step. Speculation
 must beat off by `speculation_margin`: the best of several noisy estimates is more often
 overestimated than not, and a speculative step has costs no step time shows (requests that end
