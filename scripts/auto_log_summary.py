@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.admission import is_wave
+from gateway.auto.costs import bucket
 
 _FIELD = re.compile(r"(\w+)=('[^']*'|\S+)")
 
@@ -140,7 +141,7 @@ class BucketChoice:
     steps: int = 0               # measured steps that are not probes
     expected_tps: float = 0.0    # sums: tokens a second expected of the step (its overhead included)
     measured_tps: float = 0.0    # tokens committed over the step's measured time (clean)
-    rivals: dict = None          # rival -> [times logged, its expected tokens a second summed]
+    rivals: dict = field(default_factory=dict)   # rival -> [times logged, its expected tokens a second summed]
 
 
 def by_bucket(lines) -> dict[int, dict[str, BucketChoice]]:
@@ -151,8 +152,7 @@ def by_bucket(lines) -> dict[int, dict[str, BucketChoice]]:
     for f in _events(lines, "auto step"):
         if f.get("probe") == "True":
             continue
-        b = 1 << max(0, int(f["batch"]) - 1).bit_length()
-        c = out[b].setdefault(f["choice"], BucketChoice(rivals={}))
+        c = out[bucket(int(f["batch"]))].setdefault(f["choice"], BucketChoice())
         c.steps += 1
         c.expected_tps += 1e3 * float(f["expected_tokens"]) / (float(f["expected_ms"]) + float(f["overhead_ms"]))
         c.measured_tps += 1e3 * float(f["tokens"]) / float(f["measured_ms"])

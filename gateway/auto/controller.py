@@ -231,7 +231,8 @@ class AutoController:
                               off_step_ms=round(off.seconds * 1e3, 2) if off else None,
                               off_overhead_ms=round(off.overhead * 1e3, 2) if off else None,
                               overhead_ms=round(plan.overhead * 1e3, 2),
-                              vacancy_steps=round(policy.vacancies.steps(), 2) if off else None,
+                              vacancy_steps=(round(policy.vacancies.steps(), 2)
+                                             if isinstance(policy, AutoPolicy) else None),
                               request_ids=sorted({r.req.request_id for r in group})[:16])
         for r in group:
             self._apply(r, choice if r.seq_id in speculating else OFF)
