@@ -20,6 +20,7 @@ from specdec.model.runner import ModelRunner
 from specdec.sampling import ACCEPT, RESIDUAL, processed_probs, sample_from, seed_tensor, uniforms
 from specdec.sequence_table import SequenceState, SequenceTable
 from specdec.tree import pack_proposals, pack_trees
+from verifier_svc.held_rows import HeldRows
 from verifier_svc.prefill import Chunk, PrefillQueue, chunk_rows
 from verifier_svc.types import Verdict, VerifierStep, VerifierStepResult, VerifyItem
 
@@ -46,7 +47,7 @@ class VerifierEngine:
             raise ValueError(f"aux hidden-state layers {list(aux_layers)} must lie in 0..{spec.num_layers}")
         runner.aux_layers = tuple(aux_layers)
         self.hidden_wanted: set[str] = set()  # sequences whose verdicts carry hidden states
-        self.hidden_held: dict[str, list[torch.Tensor]] = {}   # rows kept back (hold_hidden), host, in order
+        self.held = HeldRows()   # rows kept back (hold_hidden)
         self.hidden_fp8 = hidden_fp8
         self.projection = projection
         self.runner = runner
@@ -65,7 +66,7 @@ class VerifierEngine:
     def close(self, seq_ids: list[str]) -> None:
         self.table.close_all(seq_ids)
         self.hidden_wanted.difference_update(seq_ids)
-        self._drop_held(seq_ids)
+        self.held.drop(seq_ids)
         for sid in seq_ids:
             if sid in self.prefills:
                 self.prefills.drop(sid)
@@ -74,7 +75,7 @@ class VerifierEngine:
         result = VerifierStepResult(req.step)
         self.close(req.close)
         self.hidden_wanted.difference_update(req.stop_hidden)
-        self._drop_held(req.stop_hidden)
+        self.held.drop(req.stop_hidden)
         opened: list[tuple[SequenceState, str]] = []
         for o in req.open:
             problem = o.sampling.problem()
@@ -106,17 +107,13 @@ class VerifierEngine:
             result.verdicts += self._prefill(chunks, hold)
         return result
 
-    def _drop_held(self, seq_ids: list[str]) -> None:
-        for sid in seq_ids:
-            self.hidden_held.pop(sid, None)
-
-    def _hold_or_release(self, seq_id: str, rows: torch.Tensor, hold: set[str]) -> torch.Tensor | None:
-        """A verdict's rows: kept back while the gateway says hold, else sent after any kept before."""
-        if seq_id in hold:   # a copy: the view would keep the step's whole read-back alive
-            self.hidden_held.setdefault(seq_id, []).append(rows.clone())
-            return None
-        held = self.hidden_held.pop(seq_id, None)
-        return rows if held is None else torch.cat([*held, rows])
+    def _carry(self, verdicts: list[Verdict], rows: dict[str, torch.Tensor], hold: set[str]) -> list[Verdict]:
+        """The verdicts with the rows (by seq id) they carry: kept back for the seq ids in hold, else
+        after any kept back before (HeldRows)."""
+        sent = self.held.carry(rows, hold)
+        for v in verdicts:
+            v.hidden = sent.get(v.seq_id)
+        return verdicts
 
     def _foldable(self, chunks: list[Chunk], verify: list[VerifyItem]) -> bool:
         """Whether this step's prompt chunks fit as rows of its verify forward (as wide as its widest
@@ -197,13 +194,13 @@ class VerifierEngine:
         answered = [(e.state, i, e.hidden) for i, e in done] + [(f, i, e.hidden) for i, e in done for f in e.followers]
         rows = rows_of(last_logits, [i for _, i, _ in answered])   # [A, V]: a row per sequence answered
         first = self._sample_next([s for s, _, _ in answered], rows).tolist()
-        out = []
+        out, rows = [], {}
         for (s, _, h), tok in zip(answered, first):
-            wanted = aux is not None and s.seq_id in self.hidden_wanted
             s.tokens.append(tok)
-            out.append(Verdict(s.seq_id, len(s.tokens), [tok], 0,
-                               self._hold_or_release(s.seq_id, torch.cat(h), hold) if wanted else None))
-        return out
+            out.append(Verdict(s.seq_id, len(s.tokens), [tok], 0))
+            if aux is not None and s.seq_id in self.hidden_wanted:
+                rows[s.seq_id] = torch.cat(h)
+        return self._carry(out, rows, hold)
 
     def _wire(self, rows: torch.Tensor) -> torch.Tensor:
         """Hidden-state rows [..., A] as verdicts carry them: as computed or projected by the head's
@@ -231,7 +228,7 @@ class VerifierEngine:
                 hold: set[str] = frozenset()) -> list[Verdict]:
         """The items' draft trees in one forward, with this step's prompt chunks as extra rows
         when they ride along (fold_prefill); -> the prompts' verdicts, then the items'. hold: seq
-        ids whose hidden-state rows stay here this step (see _hold_or_release)."""
+        ids whose hidden-state rows stay here this step (see _carry)."""
         states = [s for s, _ in items]
         trees = pack_trees([s.tokens[-1] for s in states], [it.draft for _, it in items], self.device)
         n = trees.tokens.shape[1]
@@ -288,13 +285,14 @@ class VerifierEngine:
         if any(row[-1] for row in rows):  # compact the accepted path's KV into a dense prefix
             src = kv_start[:, None] + torch.where(on_path, verdict.path, dense)
             self.runner.move(slots, src, kv_start[:, None] + dense)
-        out = []
+        out, carried = [], {}
         for i, (s, (*row, a, bonus, _)) in enumerate(zip(states, rows)):
             new = row[:a] + [bonus]
             s.tokens += new
-            carried = self._hold_or_release(s.seq_id, hidden[i][:a + 1], hold) if i in hidden else None
-            out.append(Verdict(s.seq_id, len(s.tokens), new, a, carried))
-        return answered + out
+            out.append(Verdict(s.seq_id, len(s.tokens), new, a))
+            if i in hidden:
+                carried[s.seq_id] = hidden[i][:a + 1]
+        return answered + self._carry(out, carried, hold)
 
     def _with_prompt_rows(self, batch: ForwardBatch, chunks: list[Chunk]):
         """The verify batch [B, n] with the chunks' tokens appended as rows of n (chunk_rows)
