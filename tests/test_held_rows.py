@@ -40,3 +40,17 @@ def test_a_long_held_request_keeps_no_other_rows_alive():
     assert len(held.rows["a"]) < 4 and len(storages) <= 4
     held.drop(["a", "b"])
     assert len(held) == 0
+
+
+def test_a_verify_steps_block_is_carried_as_its_rows_one_by_one():
+    """carry_block (a verify step's read-back, row i's first counts[i] rows) keeps and sends
+    exactly what carry does with those rows sliced out."""
+    by_block, by_rows = HeldRows(merge_every=3), HeldRows(merge_every=3)
+    ids = ["a", "b", "c"]
+    for step in range(7):
+        block = torch.arange(3 * 4 * 2, dtype=torch.float32).reshape(3, 4, 2) + 100 * step
+        counts = [1 + (step + i) % 4 for i in range(3)]
+        hold = {"a", "b", "c"} - {ids[step % 3]} if step < 6 else set()
+        got = by_block.carry_block(ids, block, counts, hold)
+        want = by_rows.carry({sid: block[i, :counts[i]] for i, sid in enumerate(ids)}, hold)
+        assert got.keys() == want.keys() and all(torch.equal(got[s], want[s]) for s in got), step

@@ -107,14 +107,6 @@ class VerifierEngine:
             result.verdicts += self._prefill(chunks, hold)
         return result
 
-    def _carry(self, verdicts: list[Verdict], rows: dict[str, torch.Tensor], hold: set[str]) -> list[Verdict]:
-        """The verdicts with the rows (by seq id) they carry: kept back for the seq ids in hold, else
-        after any kept back before (HeldRows)."""
-        sent = self.held.carry(rows, hold)
-        for v in verdicts:
-            v.hidden = sent.get(v.seq_id)
-        return verdicts
-
     def _foldable(self, chunks: list[Chunk], verify: list[VerifyItem]) -> bool:
         """Whether this step's prompt chunks fit as rows of its verify forward (as wide as its widest
         draft tree, root included) within the rows its graphs were captured for."""
@@ -200,7 +192,10 @@ class VerifierEngine:
             out.append(Verdict(s.seq_id, len(s.tokens), [tok], 0))
             if aux is not None and s.seq_id in self.hidden_wanted:
                 rows[s.seq_id] = torch.cat(h)
-        return self._carry(out, rows, hold)
+        sent = self.held.carry(rows, hold)   # kept back for the seq ids in hold (HeldRows)
+        for v in out:
+            v.hidden = sent.get(v.seq_id)
+        return out
 
     def _wire(self, rows: torch.Tensor) -> torch.Tensor:
         """Hidden-state rows [..., A] as verdicts carry them: as computed or projected by the head's
@@ -228,7 +223,7 @@ class VerifierEngine:
                 hold: set[str] = frozenset()) -> list[Verdict]:
         """The items' draft trees in one forward, with this step's prompt chunks as extra rows
         when they ride along (fold_prefill); -> the prompts' verdicts, then the items'. hold: seq
-        ids whose hidden-state rows stay here this step (see _carry)."""
+        ids whose hidden-state rows stay here this step (HeldRows)."""
         states = [s for s, _ in items]
         trees = pack_trees([s.tokens[-1] for s in states], [it.draft for _, it in items], self.device)
         n = trees.tokens.shape[1]
@@ -269,7 +264,7 @@ class VerifierEngine:
         # Hidden states (root + accepted nodes, in order) of the sequences that want them, only those
         # rows gathered and copied (under auto most of a batch may not: parked requests)
         wanted = [i for i, s in enumerate(states) if s.seq_id in self.hidden_wanted] if aux is not None else []
-        hidden: dict[int, torch.Tensor] = {}
+        rows_out = None
         if wanted:
             path = verdict.path.clamp(min=0)
             if len(wanted) < len(states):
@@ -277,22 +272,24 @@ class VerifierEngine:
                 aux, path = aux[index], path[index]
             # queued before the read-back below, which waits for it too (same stream)
             rows_out = self._wire(torch.gather(aux, 1, path[:, :, None].expand(-1, -1, aux.shape[-1])))
-            rows_out = rows_out.to("cpu", non_blocking=True)
-            hidden = dict(zip(wanted, rows_out))
+            rows_out = rows_out.to("cpu", non_blocking=True)                       # [len(wanted), n, .]
         # The step's one read-back: accepted tokens, their count, the bonus, whether to compact.
         rows = torch.cat([accepted, torch.stack([verdict.accept_len, verdict.bonus, scattered.long()], 1)], 1)
         rows = rows.tolist()
         if any(row[-1] for row in rows):  # compact the accepted path's KV into a dense prefix
             src = kv_start[:, None] + torch.where(on_path, verdict.path, dense)
             self.runner.move(slots, src, kv_start[:, None] + dense)
-        out, carried = [], {}
-        for i, (s, (*row, a, bonus, _)) in enumerate(zip(states, rows)):
+        out = []
+        for s, (*row, a, bonus, _) in zip(states, rows):
             new = row[:a] + [bonus]
             s.tokens += new
             out.append(Verdict(s.seq_id, len(s.tokens), new, a))
-            if i in hidden:
-                carried[s.seq_id] = hidden[i][:a + 1]
-        return answered + self._carry(out, carried, hold)
+        if rows_out is not None:   # root + accepted rows
+            sent = self.held.carry_block([states[i].seq_id for i in wanted], rows_out,
+                                         [out[i].accepted_drafts + 1 for i in wanted], hold)
+            for v in out:
+                v.hidden = sent.get(v.seq_id)
+        return answered + out
 
     def _with_prompt_rows(self, batch: ForwardBatch, chunks: list[Chunk]):
         """The verify batch [B, n] with the chunks' tokens appended as rows of n (chunk_rows)
