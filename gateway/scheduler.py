@@ -162,7 +162,7 @@ class Scheduler:
         verdicts, verify_rtt = await timed(self.verifier.step(verify_msg))
         predraft = await predrafts if predrafts is not None else (0.0, 0.0)
         waited = time.perf_counter() - started   # for the drafts, then the verify (and pre-drafts)
-        self._apply_verdicts(verdicts)
+        committed = self._apply_verdicts(verdicts)
         if self.auto is not None and (continuing or opens or prefilling) and not released:
             # The whole step after the plan: what the gateway does per step for a choice (draft
             # messages, tree packing, verdicts, emission) counts as much as the services' time.
@@ -171,7 +171,7 @@ class Scheduler:
         # Where a step's time went, one line a step (SPECDEC_LOG_LEVEL=debug; scripts/auto_log_summary.py
         # sums them by what the step did).
         self.log.debug("scheduler step", batch=len(continuing), admitted=len(opens), drafting=len(need),
-                       predrafting=len(overlap), prefilling=prefilling, released=released,
+                       predrafting=len(overlap), prefilling=prefilling, released=released, committed=committed,
                        ms=round((time.perf_counter() - t0) * 1e3, 2), draft_ms=round(draft[0] * 1e3, 2),
                        verify_ms=round(verify_rtt * 1e3, 2), predraft_ms=round(predraft[0] * 1e3, 2))
         self.tally.flush(time.perf_counter() - t0, waited, (verify_rtt, verdicts.engine_seconds), draft,
@@ -307,7 +307,9 @@ class Scheduler:
             r.mode, r.predraft, r.drafter_len, r.hidden_rows, r.auto = Mode.OFF, None, 0, [], False
 
     # ---- verdicts ----------------------------------------------------------------------------
-    def _apply_verdicts(self, resp: verifier_pb2.VerifyStepResponse) -> None:
+    def _apply_verdicts(self, resp: verifier_pb2.VerifyStepResponse) -> int:
+        """-> the tokens the verdicts committed."""
+        committed = 0
         for err in map(error_from_proto, resp.errors):
             r = self.active.get(err.seq_id)
             if r is None:
@@ -329,6 +331,8 @@ class Scheduler:
             else:
                 self._count_step(r, accepted, v.accepted_drafts)
             self._emit(r, accepted)
+            committed += len(accepted)
+        return committed
 
     def _count_step(self, r: ActiveRequest, accepted: list[int], accepted_drafts: int) -> None:
         s = r.stats

@@ -65,6 +65,7 @@ class StepKind:
     ms: float = 0.0
     longest_ms: float = 0.0
     batch: int = 0               # summed over the steps
+    committed: int = 0           # tokens the steps committed (logs before it was logged: 0)
 
 
 def step_kind(f: dict) -> str:
@@ -86,6 +87,7 @@ def step_kinds(lines) -> dict[str, StepKind]:
         k.ms += ms
         k.longest_ms = max(k.longest_ms, ms)
         k.batch += int(f["batch"])
+        k.committed += int(f.get("committed", 0))
     return dict(out)
 
 
@@ -113,11 +115,11 @@ def print_step_kinds(lines, title: str = "scheduler steps") -> None:
     if not kinds:
         return
     total = sum(k.ms for k in kinds.values())
-    print(f"\n| {title} | steps | seconds | share of the time | mean ms | longest ms | mean batch |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n| {title} | steps | seconds | share of the time | mean ms | longest ms | mean batch | tokens | tok/ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, k in sorted(kinds.items(), key=lambda kv: -kv[1].ms):
         print(f"| {name} | {k.steps} | {k.ms / 1e3:.2f} | {k.ms / total:.0%} | {k.ms / k.steps:.2f} | "
-              f"{k.longest_ms:.1f} | {k.batch / k.steps:.1f} |")
+              f"{k.longest_ms:.1f} | {k.batch / k.steps:.1f} | {k.committed} | {k.committed / k.ms:.2f} |")
 
 
 def summarize(lines) -> dict[str, ChoiceSteps]:

@@ -148,6 +148,8 @@ def test_each_steps_line_says_what_it_did_and_the_log_summary_sums_them_by_kind(
     kinds = step_kinds(log.lines)
     assert {k: v.steps for k, v in kinds.items()} == {"admitting a wave": 1, "admitting prompts": 1, "off": 5}
     assert kinds["admitting prompts"].batch == 64 and kinds["off"].batch == 64 * 3 + 66 * 2
+    # the tokens each step committed: one a running request, and each prompt's first
+    assert kinds["admitting prompts"].committed == 64 + 2 and kinds["off"].committed == 64 * 3 + 66 * 2
 
 
 def test_the_scheduler_tells_auto_what_each_step_took_in_and_the_batch_it_joined():
