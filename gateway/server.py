@@ -18,7 +18,7 @@ from specdec.config import GatewayConfig
 from specdec.log import configure_logging
 from specdec.metrics import start_metrics
 from specdec.rpc import gateway_pb2, gateway_pb2_grpc
-from specdec.serving import ServingState, run, serve, wait_idle
+from specdec.serving import ServingState, freeze_startup_objects, run, serve, wait_idle
 
 BACKEND_WAIT_SECONDS = 600.0  # model loading can take minutes
 
@@ -60,6 +60,7 @@ def run_gateway(cfg: GatewayConfig) -> None:
                 await state.set_serving(can_serve)
 
         tasks.add(asyncio.get_running_loop().create_task(router.run(cfg.resolve_interval, report)))
+        freeze_startup_objects(log)
         await state.set_serving(True)
         log.info("backends ready", verifiers=len(router.verifiers.healthy()),
                  drafters=len(router.drafters.healthy()) if router.drafters else 0, max_context=max_context)

@@ -17,7 +17,7 @@ from specdec.model.loader import DTYPES
 from specdec.model.parallel import TPLayout
 from specdec.model.spec import ModelSpec
 from specdec.rpc import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from specdec.serving import ServingState, run, serve, wait_idle
+from specdec.serving import ServingState, freeze_startup_objects, run, serve, wait_idle
 
 
 def run_engine_service(cfg: EngineServiceConfig) -> None:
@@ -137,6 +137,7 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
             log.exception("start-up failed; exiting")
             raise SystemExit(f"{cfg.role}: graph capture or warm-up failed, the engine cannot serve: {exc} "
                              "(--no-cuda-graphs serves without graphs)") from exc
+        freeze_startup_objects(log)
         await state.set_serving(True)
         log.info("ready")
 

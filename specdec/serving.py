@@ -6,6 +6,7 @@ work to finish, then the server stops."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -21,6 +22,19 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MESSAGE_LIMIT),
     ("grpc.max_receive_message_length", MESSAGE_LIMIT),
 ]
+
+
+def freeze_startup_objects(log) -> None:
+    """Moves what start-up made (modules, the model, graphs: ~350k objects in a verifier) out of
+    the garbage collector's reach, as the last step before SERVING. A full collection walks every
+    tracked object: ~130 ms for a verifier on the 2-core dev VM, and on the H100 two verify steps
+    at batch 64 took 21-23 ms instead of 10.5 mid-run - a pause of that kind once priced off at
+    29 ms a step there, and auto ran chain k=4 at 0.88x of off. Objects made while serving are
+    still collected."""
+    gc.collect()
+    frozen = len(gc.get_objects())
+    gc.freeze()
+    log.info("start-up objects frozen out of garbage collection", objects=frozen)
 
 
 class ServingState:

@@ -32,7 +32,32 @@ def test_engines_serve_after_a_warm_up_that_leaves_no_trace(checkpoints, start_c
         info = cluster.info(name)
         assert info.active_sequences == 0 and info.sequences_opened == 0, name
         log = (cluster.log_dir / f"{name}.log").read_text()
-        assert log.index("warming up") < log.index("ready"), name
+        # start-up's objects leave the collector's reach before SERVING (specdec.serving.freeze_startup_objects)
+        assert log.index("warming up") < log.index("start-up objects frozen") < log.index("ready"), name
+    assert "start-up objects frozen" in (cluster.log_dir / "gateway.log").read_text()
+
+
+def test_frozen_start_up_objects_leave_later_garbage_collectable():
+    import gc
+    import weakref
+
+    from specdec.serving import freeze_startup_objects
+
+    class Cycle:
+        pass
+
+    lines = []
+    try:
+        freeze_startup_objects(type("Log", (), {"info": lambda self, *a, **k: lines.append((a, k))})())
+        assert gc.get_freeze_count() > 0 and lines[0][1]["objects"] > 0
+        made = Cycle()
+        made.me = made   # a cycle: only the collector frees it
+        alive = weakref.ref(made)
+        del made
+        gc.collect()
+        assert alive() is None
+    finally:
+        gc.unfreeze()
 
 
 def test_gateway_health_follows_its_verifier(checkpoints, start_cluster):
