@@ -115,17 +115,30 @@ def test_step_calibration_is_robust_and_borrows_the_nearest_measured_neighbour()
     assert cal.ratio("chain", "chain k=4", 5, 16) == pytest.approx(2.0)   # fewer than three: the least
     for measured in (0.021, 0.019, 0.022):
         cal.observe("chain", "chain k=4", 5, 16, measured, 0.010)
-    assert cal.ratio("chain", "chain k=4", 5, 16) == pytest.approx(2.1)   # then the median of the last five
-    assert cal.ratio("chain", "chain k=4", 5, 32) == pytest.approx(2.1)   # a new bucket borrows the nearest
+    # then the median of the last five, the first (a stall: over 1.5x the least) left out
+    assert cal.ratio("chain", "chain k=4", 5, 16) == pytest.approx(2.05)
+    assert cal.ratio("chain", "chain k=4", 5, 32) == pytest.approx(2.05)  # a new bucket borrows the nearest
     cal.observe("chain", "chain k=8", 9, 16, 0.030, 0.010)
     assert cal.ratio("chain", "chain k=8", 9, 16) == pytest.approx(3.0)   # each choice its own
-    assert cal.ratio("chain", "chain k=6", 7, 16) == pytest.approx(2.1)   # unmeasured: the closest width (5 < 9)
+    assert cal.ratio("chain", "chain k=6", 7, 16) == pytest.approx(2.05)  # unmeasured: the closest width (5 < 9)
     assert cal.ratio("tree", "tree 4/4/16", 17, 16) == 1.0                # another kind is not assumed alike
     cal.observe("tree", "tree 4/4/16", 17, 16, 0.015, 0.010)
     for _ in range(3):                                                    # at 32, chain k=4 costs twice its 16 figure
-        cal.observe("chain", "chain k=4", 5, 32, 0.042, 0.010)
-    assert cal.ratio("chain", "chain k=8", 9, 32) == pytest.approx(4.2)   # a neighbour of its kind at this size first
+        cal.observe("chain", "chain k=4", 5, 32, 0.041, 0.010)
+    assert cal.ratio("chain", "chain k=8", 9, 32) == pytest.approx(4.1)   # a neighbour of its kind at this size first
     assert cal.ratio("tree", "tree 4/4/16", 17, 32) == pytest.approx(3.0)  # else its figure elsewhere, times the trend
+
+
+def test_stalled_steps_do_not_move_a_choices_figure_but_a_lasting_change_does():
+    """A stall only slows a step: ratios over 1.5x the window's least are left out (off at C = 64 on
+    the H100: three stalled steps of the last five priced it at 29 ms a step where it ran 12)."""
+    cal = StepCalibration()
+    for measured in (0.0116, 0.0117, 0.0138, 0.0290, 0.0348):
+        cal.observe("off", "off", 1, 64, measured, 0.010)
+    assert cal.ratio("off", "off", 1, 64) == pytest.approx(1.17)
+    for measured in (0.0290, 0.0300, 0.0310, 0.0290, 0.0300):    # every step slower now: followed
+        cal.observe("off", "off", 1, 64, measured, 0.010)
+    assert cal.ratio("off", "off", 1, 64) == pytest.approx(3.0)
 
 
 def simulate(p: AutoPolicy, verify, draft, a: float, batch: int, steps: int, counted: int | None = None) -> float:
