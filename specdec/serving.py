@@ -27,10 +27,10 @@ CHANNEL_OPTIONS = [
 def freeze_startup_objects(log) -> None:
     """Moves what start-up made (modules, the model, graphs: ~350k objects in a verifier) out of
     the garbage collector's reach, as the last step before SERVING. A full collection walks every
-    tracked object: ~130 ms for a verifier on the 2-core dev VM, and on the H100 two verify steps
-    at batch 64 took 21-23 ms instead of 10.5 mid-run - a pause of that kind once priced off at
-    29 ms a step there, and auto ran chain k=4 at 0.88x of off. Objects made while serving are
-    still collected."""
+    tracked object: ~130 ms for a verifier on the 2-core dev VM. On the H100 two verify steps at
+    batch 64 took 21-23 ms instead of 10.5 mid-run (a pause; which kind, the run did not show),
+    and through auto's calibration they priced off at 29 ms a step there. Objects made while
+    serving are still collected."""
     gc.collect()
     frozen = len(gc.get_objects())
     gc.freeze()

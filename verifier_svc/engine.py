@@ -186,13 +186,13 @@ class VerifierEngine:
         answered = [(e.state, i, e.hidden) for i, e in done] + [(f, i, e.hidden) for i, e in done for f in e.followers]
         rows = rows_of(last_logits, [i for _, i, _ in answered])   # [A, V]: a row per sequence answered
         first = self._sample_next([s for s, _, _ in answered], rows).tolist()
-        out, rows = [], {}
+        out, prompt_rows = [], {}
         for (s, _, h), tok in zip(answered, first):
             s.tokens.append(tok)
             out.append(Verdict(s.seq_id, len(s.tokens), [tok], 0))
             if aux is not None and s.seq_id in self.hidden_wanted:
-                rows[s.seq_id] = torch.cat(h)
-        sent = self.held.carry(rows, hold)   # kept back for the seq ids in hold (HeldRows)
+                prompt_rows[s.seq_id] = torch.cat(h)
+        sent = self.held.carry(prompt_rows, hold)   # kept back for the seq ids in hold (HeldRows)
         for v in out:
             v.hidden = sent.get(v.seq_id)
         return out
