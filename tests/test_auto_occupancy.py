@@ -92,3 +92,29 @@ def test_the_controller_measures_the_gap_between_an_ending_and_the_next_admissio
     auto.plan(reqs[2:], prefilling=True)  # step 4 admits their successors
     auto.observe_step(0.03, prefilling=True, admitted=2, active=4)
     assert list(policy.vacancies.gaps) == [3, 3]
+
+
+def test_endings_before_the_batch_emptied_refill_no_slot():
+    """A prompt admitted into an empty batch (the sweep's next wave after its last requests ended
+    along the tail) fills no slot a running batch did without: the endings before it are dropped."""
+    v = Vacancies(expiry=64, min_samples=1)
+    v.ended(10)
+    v.ended(12)
+    v.admitted(30, 2, into_empty=True)
+    assert not v.gaps and not v.open
+    v.ended(40)
+    v.admitted(42, 1)
+    assert list(v.gaps) == [2]
+
+
+def test_the_controller_drops_the_endings_before_a_wave_into_an_empty_batch():
+    auto = controller()
+    reqs = [new_request(i) for i in range(2)]
+    auto.plan(reqs)
+    policy = auto.policies[True]
+    for r in reqs:
+        auto.forget(r)                    # the batch's last requests end
+    auto.observe_step(0.01)
+    auto.plan([], prefilling=True)        # the next wave, into an empty batch
+    auto.observe_step(0.03, prefilling=True, admitted=2, active=2)
+    assert not policy.vacancies.gaps and not policy.vacancies.open

@@ -372,7 +372,7 @@ class AutoController:
         warm = self.steps_seen > WARMUP_STEPS
         if admitted:
             for policy in self._auto_policies():
-                policy.vacancies.admitted(self.steps_planned, admitted)
+                policy.vacancies.admitted(self.steps_planned, admitted, into_empty=not self.step_running)
         one = (self.step_plans[0] if warm and len(self.step_plans) == 1 and not self.step_plans[0][2]
                and isinstance(self.step_plans[0][0], AutoPolicy) else None)
         for policy in self._auto_policies():
