@@ -13,9 +13,9 @@ gap is a step and costs little.
 the next admission. An ending that no admission follows within `expiry` steps, or before the batch
 empties, is dropped: the load fell, and a prompt admitted into an empty batch refills no slot that
 a running batch did without (the sweep's clients end their last requests along a wave's tail and
-start the next wave together: matched, those endings made the median gap 4-6 steps at the
-H100's C = 32 and 7 at 64, where it read 2-3 inside C = 16's waves). `occupancy` turns it into the share of a full batch a
-choice keeps busy.
+start the next wave together: matched, those endings made the median gap 4-6 steps at the H100's
+C = 32 and 7 at 64, where it read 2-3 inside C = 16's waves). `occupancy` turns it into the share
+of a full batch a choice keeps busy.
 """
 
 from __future__ import annotations
