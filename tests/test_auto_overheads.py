@@ -29,16 +29,20 @@ def test_overheads_are_a_kinds_excess_per_admitted_prompt_and_borrow_offs():
     o.observe(False, 32, 0.002, 1, prefilling=True)
     assert o.per_admission(False, 32) == pytest.approx(0.002)
     assert o.per_admission(True, 32) == pytest.approx(0.002)  # speculation borrows off's until measured
-    assert o.per_admission(False, 4) == 0.0                   # another batch bucket
+    assert o.per_admission(True, 4) == 0.0                    # ... at the same batch size only
+    assert o.per_admission(False, 4) == pytest.approx(0.002)  # off: its own figure at the nearest size
     for excess, admitted in ((0.0, 0), (0.020, 4)) * 4:   # four prompts every other step, a batch of 32
         o.observe(True, 32, excess, admitted, prefilling=admitted > 0)
     o.observe(True, 62, 0.5, 32, prefilling=True)             # 32 joining 30: the bucket of 64
     assert o.per_admission(True, 32) == pytest.approx(0.08 / 16)
     assert o.per_admission(True, 64) == pytest.approx(0.5 / 32)
     assert o.per_admission(False, 32) == pytest.approx(0.002)
-    for _ in range(513):                                      # a spell of other buckets: old figures expire
+    o.observe(False, 2, 0.012, 8, prefilling=False)          # off at batch 2: nearer 4 than 32 is
+    assert o.per_admission(False, 4) == pytest.approx(0.0015)
+    for _ in range(513):   # a spell of other buckets: speculation's old figures expire, off's stand
         o.tick()
-    assert o.per_admission(True, 32) == o.per_admission(False, 32) == 0.0
+    assert o.per_admission(False, 32) == pytest.approx(0.002)
+    assert o.per_admission(True, 32) == pytest.approx(0.002)  # borrowed from off again
 
 
 def test_a_group_of_prompts_is_charged_with_the_steps_its_admission_slowed():

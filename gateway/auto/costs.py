@@ -211,14 +211,27 @@ class StepOverheads:
     priced off at its clean steps (H100, C = 32: 3,200 tok/s where off ran 2,440, and auto ran off
     there at 0.92x of chain k=4). Before groups, the excess of steps after a wave admitted beside
     few requests was charged to the few prompts of an earlier group at the wave's batch (24 ms a
-    prompt where they cost 3-4 ms). A kind not yet measured at a bucket borrows off's figure there:
-    speculation is then tried, and its own figure replaces it."""
+    prompt where they cost 3-4 ms). Speculation not yet measured at a bucket borrows off's figure
+    there: it is then tried, and its own figure replaces it. Off not yet measured at a bucket
+    takes its own figure at the nearest bucket (its prompts cost the verifier's prefill, about the
+    same at any batch size), never speculation's: off is not challenged, so a figure too high
+    would keep it from ever running there to measure its own (where speculation's prompts cost 3x
+    off's, a closed-loop simulation ran auto at 0.82x of off with it). With no figure of its own
+    anywhere, off is charged nothing. Off charged nothing at C = 32 on the H100 (a = 0.8) where it
+    had cost 4.7 ms a prompt at 16, and its first wave there ran off for ~55 steps beside chain k=4
+    priced at 7-8 ms a step for its prompts."""
 
     def __init__(self, window: int = 16, min_prompts: int = 8, max_age: int = 512) -> None:
         """window: groups kept per kind and bucket; min_prompts: prompts those groups must hold to
-        price the kind; max_age: steps (all kinds) after which a group no longer counts: once auto
-        has turned to off, speculation's figure from a busier spell must not keep it off for good;
-        it is then borrowed from off's again, tried, and measured afresh."""
+        price the kind; max_age: steps (all kinds) after which a group of speculation's no longer
+        counts: once auto has turned to off, speculation's figure from a busier spell must not keep
+        it off for good; it is then borrowed from off's again, tried, and measured afresh. Off's own
+        groups keep counting, however old, until newer ones replace them: off's prompts cost the
+        verifier's prefill, which a busier spell does not change, and an expired figure priced off's
+        prompts at nothing. On the H100 (C = 32, a = 0.8) off's figure at its batch size (4.5 ms a
+        prompt, measured) expired while chain k=4 stood; the next wave planned off at no cost per
+        prompt (its prompts cost 5.2 ms) and ran off for ~90 steps where chain k=4's clean steps made
+        1.5x its tokens a second."""
         self.window, self.min_prompts, self.max_age = window, min_prompts, max_age
         self.steps = 0
         self.groups: dict[tuple[bool, int], deque] = {}   # (speculating, bucket) -> [last step, excess s, prompts]
@@ -260,11 +273,23 @@ class StepOverheads:
 
     def _per_admission(self, speculating: bool, b: int) -> float:
         for key in ((speculating, b), (False, b)):
-            recent = [(x, n) for step, x, n in self.groups.get(key, ()) if self.steps - step <= self.max_age]
-            prompts = sum(n for _, n in recent)
-            if prompts >= self.min_prompts:
-                return max(0.0, sum(x for x, _ in recent)) / prompts
+            figure = self._figure(key)
+            if figure is not None:
+                return figure
+        if not speculating:   # off at a batch size it has not run at: its own figure at the nearest one
+            near = sorted({x for kind, x in self.groups if not kind and x != b},
+                          key=lambda x: (abs(x.bit_length() - b.bit_length()), x))
+            for x in near:
+                figure = self._figure((False, x))
+                if figure is not None:
+                    return figure
         return 0.0
+
+    def _figure(self, key: tuple[bool, int]) -> float | None:
+        """Seconds per prompt from a kind's groups at a bucket (None: too few prompts)."""
+        groups = [(x, n) for step, x, n in self.groups.get(key, ()) if not key[0] or self.steps - step <= self.max_age]
+        prompts = sum(n for _, n in groups)
+        return max(0.0, sum(x for x, _ in groups)) / prompts if prompts >= self.min_prompts else None
 
 
 class RequestLengths:
