@@ -228,10 +228,9 @@ class StepOverheads:
         it off for good; it is then borrowed from off's again, tried, and measured afresh. Off's own
         groups keep counting, however old, until newer ones replace them: off's prompts cost the
         verifier's prefill, which a busier spell does not change, and an expired figure priced off's
-        prompts at nothing. On the H100 (C = 32, a = 0.8) off's figure at its batch size (4.5 ms a
-        prompt, measured) expired while chain k=4 stood; the next wave planned off at no cost per
-        prompt (its prompts cost 5.2 ms) and ran off for ~90 steps where chain k=4's clean steps made
-        1.5x its tokens a second."""
+        prompts at nothing. On the H100 (C = 32, a = 0.8) off's figure there (4.4 ms a prompt)
+        expired while the sweep's fixed rows ran (~830 steps; every step counts), and auto's next
+        wave ran off, its prompts charged nothing, for ~25 steps until off was measured again."""
         self.window, self.min_prompts, self.max_age = window, min_prompts, max_age
         self.steps = 0
         self.groups: dict[tuple[bool, int], deque] = {}   # (speculating, bucket) -> [last step, excess s, prompts]
