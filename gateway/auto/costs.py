@@ -24,6 +24,11 @@ def bucket(batch: int) -> int:
     return 1 << max(0, batch - 1).bit_length()
 
 
+def nearest_first(buckets, b: int) -> list[int]:
+    """Buckets ordered by their distance from bucket b in powers of two, the smaller first on a tie."""
+    return sorted(buckets, key=lambda x: (abs(x.bit_length() - b.bit_length()), x))
+
+
 class _Surface:
     """One shape's seconds over batch sizes, linearly interpolated (and extrapolated at the top).
     Plain Python: called a few hundred times a step, where numpy's per-call overhead would show."""
@@ -125,8 +130,8 @@ class StepCalibration:
                 yield self.samples[(candidate, near)], self._trend(near, b)
 
     def _nearest_bucket(self, name: str, b: int) -> int | None:
-        measured = [x for (n, x) in self.samples if n == name]
-        return min(measured, key=lambda x: (abs(x.bit_length() - b.bit_length()), x)) if measured else None
+        measured = nearest_first({x for (n, x) in self.samples if n == name}, b)
+        return measured[0] if measured else None
 
     def _trend(self, src: int, dst: int) -> float:
         """How calibrations changed from bucket `src` to `dst`: the median ratio over the choices
@@ -271,17 +276,14 @@ class StepOverheads:
         return self.cached[key]
 
     def _per_admission(self, speculating: bool, b: int) -> float:
-        for key in ((speculating, b), (False, b)):
+        if speculating:   # its own figure, else off's at this batch size
+            keys = [(True, b), (False, b)]
+        else:             # its own figure here, else at the nearest batch size it has one
+            keys = [(False, x) for x in nearest_first({x for kind, x in self.groups if not kind}, b)]
+        for key in keys:
             figure = self._figure(key)
             if figure is not None:
                 return figure
-        if not speculating:   # off at a batch size it has not run at: its own figure at the nearest one
-            near = sorted({x for kind, x in self.groups if not kind and x != b},
-                          key=lambda x: (abs(x.bit_length() - b.bit_length()), x))
-            for x in near:
-                figure = self._figure((False, x))
-                if figure is not None:
-                    return figure
         return 0.0
 
     def _figure(self, key: tuple[bool, int]) -> float | None:
