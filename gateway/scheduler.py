@@ -122,10 +122,11 @@ class Scheduler:
         for r in [r for r in self.active.values() if r.cancelled]:
             self.log.info("request cancelled", request_id=r.req.request_id)
             self._retire(r)
+        carried = sum(1 for r in self.active.values() if r.opening)   # admitted before, still prefilling
         opens = self._admit()
         opened = {r.seq_id for r in opens}
         # Still prefilling (the verifier prefills long prompts in chunks): no verdict yet, nothing to verify.
-        prefilling = any(r.opening for r in self.active.values())
+        prefilling = bool(carried or opens)
         continuing = [r for r in self.active.values() if not r.opening and not self.hold.held(r)]
         released = False
         if self.auto is not None:
@@ -167,13 +168,15 @@ class Scheduler:
             # The whole step after the plan: what the gateway does per step for a choice (draft
             # messages, tree packing, verdicts, emission) counts as much as the services' time.
             self.auto.observe_step(time.perf_counter() - started, draft[0], prefilling, len(opens),
-                                   len(self.active))
+                                   len(self.active), carried)
         # Where a step's time went, one line a step (SPECDEC_LOG_LEVEL=debug; scripts/auto_log_summary.py
         # sums them by what the step did).
         self.log.debug("scheduler step", batch=len(continuing), admitted=len(opens), drafting=len(need),
                        predrafting=len(overlap), prefilling=prefilling, released=released, committed=committed,
                        ms=round((time.perf_counter() - t0) * 1e3, 2), draft_ms=round(draft[0] * 1e3, 2),
-                       verify_ms=round(verify_rtt * 1e3, 2), predraft_ms=round(predraft[0] * 1e3, 2))
+                       draft_engine_ms=round(draft[1] * 1e3, 2), verify_ms=round(verify_rtt * 1e3, 2),
+                       verify_engine_ms=round(verdicts.engine_seconds * 1e3, 2),
+                       predraft_ms=round(predraft[0] * 1e3, 2))
         self.tally.flush(time.perf_counter() - t0, waited, (verify_rtt, verdicts.engine_seconds), draft,
                          predraft[0])
 

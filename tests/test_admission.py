@@ -38,17 +38,24 @@ def test_without_a_wait_every_prompt_joins_the_next_step():
 
 
 class Verifier:
-    """Mode off: each open gets its first token, each verify one more; records what each step opened."""
+    """Mode off: each open gets its first token once its prefill's steps have run, each verify one more;
+    records what each step opened."""
     address = "stand-in"
 
-    def __init__(self) -> None:
+    def __init__(self, prefill_steps: int = 1) -> None:
         self.opened: list[list[str]] = []   # per step: the seq ids it admitted
+        self.prefill_steps = prefill_steps  # a prompt prefills in chunks over this many steps
+        self.prefilling: dict[str, tuple[int, int]] = {}   # seq id -> (steps left, prompt length)
 
     async def step(self, msg):
         self.opened.append([o.seq_id for o in msg.open])
         resp = verifier_pb2.VerifyStepResponse(step=msg.step)
-        for o in msg.open:
-            resp.verdicts.add(seq_id=o.seq_id, committed_len=len(o.prompt_ids) + 1, accepted_ids=[7])
+        self.prefilling.update({o.seq_id: (self.prefill_steps, len(o.prompt_ids)) for o in msg.open})
+        for seq_id, (left, length) in list(self.prefilling.items()):
+            self.prefilling[seq_id] = (left - 1, length)
+            if left == 1:
+                del self.prefilling[seq_id]
+                resp.verdicts.add(seq_id=seq_id, committed_len=length + 1, accepted_ids=[7])
         for v in msg.verify:
             resp.verdicts.add(seq_id=v.seq_id, committed_len=v.committed_len + 1, accepted_ids=[7])
         return resp
@@ -82,6 +89,7 @@ class Auto:
 
     def __init__(self) -> None:
         self.steps: list[tuple[int, int, int]] = []   # (step number, prompts admitted, batch after them)
+        self.carried: list[int] = []                  # prompts that earlier steps admitted, still prefilling
 
     def plan(self, continuing, prefilling) -> None:
         pass
@@ -89,8 +97,9 @@ class Auto:
     def take_parked(self) -> list:
         return []
 
-    def observe_step(self, seconds, draft_seconds, prefilling, admitted, active) -> None:
+    def observe_step(self, seconds, draft_seconds, prefilling, admitted, active, carried) -> None:
         self.steps.append((self.sched.step_no, admitted, active))
+        self.carried.append(carried)
 
     def observe_verdict(self, *args) -> None:
         pass
@@ -100,10 +109,10 @@ class Auto:
 
 
 async def admitted_at(admission: AdmissionPolicy, running: int, arrivals: dict[int, int], steps: int,
-                      log: Log | None = None, auto: Auto | None = None) -> dict[str, int]:
+                      log: Log | None = None, auto: Auto | None = None, prefill_steps: int = 1) -> dict[str, int]:
     """`running` requests in the batch, then `arrivals[t]` prompts submitted before step t (counted from
     1 after the batch is running); -> each new prompt's seq id -> the step that admitted it."""
-    verifier = Verifier()
+    verifier = Verifier(prefill_steps)
     sched = Scheduler(verifier, 128, set(), admission=admission, auto=auto)
     if auto is not None:
         auto.sched = sched
@@ -159,6 +168,16 @@ def test_the_scheduler_tells_auto_what_each_step_took_in_and_the_batch_it_joined
     auto = Auto()
     asyncio.run(admitted_at(AT_ONCE, running=8, arrivals={1: 2, 3: 10}, steps=4, auto=auto))
     assert auto.steps == [(1, 8, 8), (2, 2, 10), (3, 0, 10), (4, 10, 20), (5, 0, 20)]
+    assert auto.carried == [0] * 5   # each prompt prefilled in the step that admitted it
+
+
+def test_the_scheduler_tells_auto_how_many_earlier_prompts_a_step_still_prefilled():
+    """Prompts that prefill in chunks over two steps: a step that admits more also prefills those of the
+    step before, and auto shares its excess among both groups (StepOverheads)."""
+    auto = Auto()
+    asyncio.run(admitted_at(AT_ONCE, running=8, arrivals={1: 2, 2: 3}, steps=4, auto=auto, prefill_steps=2))
+    assert auto.steps == [(1, 8, 8), (2, 2, 10), (3, 3, 13), (4, 0, 13), (5, 0, 13)]
+    assert auto.carried == [0, 8, 2, 3, 0]
 
 
 def test_the_log_summary_keeps_each_modes_steps_apart():

@@ -83,6 +83,29 @@ def test_a_wave_into_an_empty_batch_counts_for_both_kinds():
     assert o.per_admission(True, 32) == pytest.approx(0.208 / 40)
 
 
+def test_steps_that_prefill_prompts_of_earlier_groups_are_shared_with_them():
+    """A wave into a batch of one on the H100 (C = 64, ms over clean): 43 prompts joined under off, 20
+    more under chain k=4 the step after, and the next five steps prefilled all 63 in chunks. Each
+    group takes those steps by its prompts; the chain's group alone took them (5.4 ms a prompt where
+    the chain row's prompts cost 3.3) and auto ran off at 0.88x of chain k=4. The prompts admitted
+    first finish their prefill first: a step that still prefills only the newest group's is its own."""
+    o = StepOverheads(window=16, min_prompts=8)
+    o.observe(False, 44, 0.046, 43, prefilling=True)
+    o.observe(True, 64, 0.020, 20, prefilling=True, carried=43)
+    for _ in range(5):
+        o.observe(True, 64, 0.020, 0, prefilling=True, carried=63)
+    o.observe(True, 64, 0.002, 0, prefilling=False)        # the step after: both groups' first drafts
+    shared = 6 * 0.020 + 0.002
+    assert o.per_admission(True, 64) == pytest.approx(shared / 63)
+    assert o.per_admission(False, 64) == pytest.approx((0.046 + shared * 43 / 63) / 43)
+    o.observe(False, 20, 0.010, 8, prefilling=True)       # 8 prompts, then 4 more while they prefill
+    o.observe(False, 24, 0.012, 4, prefilling=True, carried=8)
+    o.observe(False, 24, 0.006, 0, prefilling=True, carried=4)   # only the 4 still prefill
+    o.observe(False, 24, 0.0, 0, prefilling=False)
+    assert o.per_admission(False, 32) == pytest.approx((0.010 + 0.012 + 0.006) / 12)
+    assert o.groups[(False, 32)][0][1] == pytest.approx(0.010 + 0.012 * 8 / 12)
+
+
 def test_steps_of_requests_auto_did_not_plan_are_not_charged_to_its_kinds():
     """A gateway also runs requests that named a mode: a step of theirs that takes in prompts has no
     plan of auto's and no price, and its whole time is not a prompt's cost (on the H100 a sweep's

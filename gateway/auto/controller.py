@@ -355,12 +355,12 @@ class AutoController:
         self.pending.clear()
 
     def observe_step(self, seconds: float, draft_seconds: float = 0.0, prefilling: bool = False,
-                     admitted: int = 0, active: int = 0) -> None:
+                     admitted: int = 0, active: int = 0, carried: int = 0) -> None:
         """The step's wall time after its plan (drafts, verify, pre-drafts, the verdicts applied);
         draft_seconds: the round trip of its drafts before the verify; prefilling: it also
-        prefilled prompts, `admitted` of them new this step; active: the requests in the batch after
-        its admissions. Each step that took in prompts, under one plan for every sequence or with no
-        sequence running, tells the policy what its kind's steps really take per admission
+        prefilled prompts, `admitted` of them new this step and `carried` admitted by earlier steps;
+        active: the requests in the batch after its admissions. Each step that took in prompts, under
+        one plan for every sequence or with no sequence running, tells the policy what its kind's steps really take per admission
         (AutoPolicy.observe_overhead); a clean one (no prefill) under one plan also calibrates the
         choice's step time. The first few steps of the gateway's life are not used: they also pay
         for opening streams and first allocations. Where a drafter caught up (see `plan`), the
@@ -378,9 +378,9 @@ class AutoController:
         for policy in self._auto_policies():
             policy.overheads.tick()
             if one is not None and policy is one[0]:
-                policy.observe_overhead(one[1], seconds, admitted, prefilling, active)
+                policy.observe_overhead(one[1], seconds, admitted, prefilling, active, carried)
             elif warm and not self.step_running and (admitted or prefilling):   # prompts and nothing else
-                policy.observe_overhead(None, seconds, admitted, prefilling, active)
+                policy.observe_overhead(None, seconds, admitted, prefilling, active, carried)
             else:
                 policy.overheads.skip(admitted)
         if one is not None:
