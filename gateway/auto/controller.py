@@ -357,17 +357,16 @@ class AutoController:
     def observe_step(self, seconds: float, draft_seconds: float = 0.0, prefilling: bool = False,
                      admitted: int = 0, active: int = 0, carried: int = 0) -> None:
         """The step's wall time after its plan (drafts, verify, pre-drafts, the verdicts applied);
-        draft_seconds: the round trip of its drafts before the verify; prefilling: it also
-        prefilled prompts, `admitted` of them new this step and `carried` admitted by earlier steps;
-        active: the requests in the batch after its admissions. Each step that took in prompts, under
-        one plan for every sequence or with no sequence running, tells the policy what its kind's steps really take per admission
-        (AutoPolicy.observe_overhead); a clean one (no prefill) under one plan also calibrates the
-        choice's step time. The first few steps of the gateway's life are not used: they also pay
-        for opening streams and first allocations. Where a drafter caught up (see `plan`), the
-        step's drafts count as steps without a catch-up take them (_draft_trip), the rest of the
-        step (the verify, the hops) as measured, and the step only bounds its choice's time from
-        above (StepCalibration); the overhead keeps the drafts whole unless the step was a probe
-        (a prompt's catch-up comes with every request that drafts)."""
+        draft_seconds: the round trip of its drafts before the verify; prefilling: it also prefilled prompts,
+        `admitted` of them new this step and `carried` admitted by earlier steps; active: the requests in the
+        batch after its admissions. Each step that took in prompts, under one plan for every sequence or with no
+        sequence running, tells the policy what its kind's steps really take per admission
+        (AutoPolicy.observe_overhead); a clean one (no prefill) under one plan also calibrates the choice's step
+        time. The first few steps of the gateway's life are not used: they also pay for opening streams and
+        first allocations. Where a drafter caught up (see `plan`), the step's drafts count as steps without a
+        catch-up take them (_draft_trip), the rest of the step (the verify, the hops) as measured, and the step
+        only bounds its choice's time from above (StepCalibration); the overhead keeps the drafts whole unless
+        the step was a probe (a prompt's catch-up comes with every request that drafts)."""
         self.steps_seen += 1
         warm = self.steps_seen > WARMUP_STEPS
         if admitted:

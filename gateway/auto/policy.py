@@ -287,14 +287,14 @@ class AutoPolicy:
 
     def observe_overhead(self, plan: Plan | None, seconds: float, admitted: int, prefilling: bool, active: int,
                          carried: int = 0) -> None:
-        """A step that ran `plan` (None: no request was running, the step only took in prompts, which
-        cost either kind what it took), admitted `admitted` prompts (prefilling: it prefilled prompt
-        chunks, of `carried` prompts admitted before it too) and left `active` requests in the batch:
-        its excess over the clean step it was priced at, when that price rests on measurements of the choice's own (not a probe, not a
-        borrowed figure), and for off only while off is auto's standing choice. While speculation
-        stands, the steps that run off are mostly those that admit a prompt (such a step plans
-        among measured choices only): as off's samples they priced off at ~1,800 tok/s where off
-        ran ~2,800 (stand-ins with the H100's costs, C = 32), and auto speculated at 0.95x of off."""
+        """A step that ran `plan` (None: no request was running, the step only took in prompts, which cost
+        either kind what it took), admitted `admitted` prompts (prefilling: it prefilled prompt chunks, of
+        `carried` prompts admitted before it too) and left `active` requests in the batch: its excess over the
+        clean step it was priced at, when that price rests on measurements of the choice's own (not a probe, not
+        a borrowed figure), and for off only while off is auto's standing choice. While speculation stands, the
+        steps that run off are mostly those that admit a prompt (such a step plans among measured choices only):
+        as off's samples they priced off at ~1,800 tok/s where off ran ~2,800 (stand-ins with the H100's costs,
+        C = 32), and auto speculated at 0.95x of off."""
         if plan is None:
             self.overheads.observe(None, active, seconds, admitted, prefilling, carried)
         elif ((plan.choice != OFF or self.current == OFF) and not plan.probe and plan.seconds > 0
