@@ -210,11 +210,12 @@ class StepOverheads:
     catch-up) over groups of arrivals: a step that admits prompts opens a group, which also takes
     the excess of the steps after it while prompts still prefill (a long prompt prefills in chunks)
     and of the one after those (a drafter takes in a prompt's hidden states when it first drafts),
-    up to the next admission. A step that also prefills prompts of earlier groups is shared with
-    them by prompts: on the H100 (C = 64) a wave's 43 prompts joined under off and 20 more under
-    chain k=4 a step later, the next five steps prefilled all 63, and the chain's group alone took
-    them: 5.4 ms a prompt where the chain row's prompts cost 3.3, and auto ran off at 0.88x of chain
-    k=4. A group counts at the batch its prompts join (they included), and a
+    up to the next admission. A step that still prefills prompts of earlier groups (the newest
+    ones: prompts finish their prefill in the order they came) is shared with those groups by
+    prompts. On the H100 (C = 64) a wave's 43 prompts joined under off and 20 more under chain k=4 a
+    step later, and the next five steps prefilled all 63; when the newest group took every step,
+    the chain's 20 took them all: 5.4 ms a prompt where the chain row's prompts cost 3.3, and auto
+    ran off at 0.88x of chain k=4. A group counts at the batch its prompts join (they included), and a
     wave is a group like any other (one into an empty batch counts for both kinds: nothing else
     ran): clients that mode off keeps in lockstep admit nothing but waves, and leaving waves out
     priced off at its clean steps (H100, C = 32: 3,200 tok/s where off ran 2,440, and auto ran off
