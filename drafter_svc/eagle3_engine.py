@@ -161,18 +161,18 @@ class Eagle3DrafterEngine:
         tokens = torch.tensor([f + [0] * (n - len(f)) for f in feeds], dtype=torch.long)      # [B, n] host
         lengths = torch.tensor([len(f) for f in feeds], dtype=torch.long)
         start = torch.tensor(starts, dtype=torch.long)
-        parts, dest = [], []   # the rows to stage, and their rows of the staging buffer viewed [B * n, width]
-        for i, (blocks, f) in enumerate(zip(rows, feeds)):
-            taken = last_rows(blocks, len(f))
-            parts += taken
-            dest += range(i * n, i * n + sum(r.shape[0] for r in taken))
-        packed = all(r.dtype == torch.uint8 for r in parts)   # fp8 rows: uploaded as such, unpacked there
-        if not packed:
-            parts = [dequantize_rows(r, self.dtype) if r.dtype == torch.uint8 else r for r in parts]
+        taken = [last_rows(blocks, len(f)) for blocks, f in zip(rows, feeds)]   # per row, its blocks to stage
+        packed = all(r.dtype == torch.uint8 for blocks in taken for r in blocks)   # fp8: uploaded as such
         width, dtype = (self.aux_width + 4, torch.uint8) if packed else (self.aux_width, self.dtype)
         hidden = self.staging.get(f"{staging} {dtype}", (len(feeds), n, width), dtype).zero_()
-        if parts:
-            hidden.view(-1, width).index_copy_(0, torch.tensor(dest, dtype=torch.long), torch.cat(parts))
+        staged = hidden.view(-1, width)
+        # Each block straight to its rows: a cat and an index_copy moved every byte twice (the dev VM: 57
+        # catch-ups of 120 fp8 rows 17 ms against 3.4; 64 single rows a step 0.56 against 0.31 ms).
+        for i, blocks in enumerate(taken):
+            at = i * n
+            for r in blocks:
+                staged[at:at + r.shape[0]].copy_(r if packed or r.dtype != torch.uint8 else dequantize_rows(r, dtype))
+                at += r.shape[0]
         if packed:   # [B, n, aux] on the device
             hidden = dequantize_rows(upload(hidden, self.device), self.dtype)
         fed = None if self.graphs is None else self.graphs.real_pairs(tokens, hidden, start, lengths, slots)

@@ -386,3 +386,25 @@ def test_last_rows_of_blocks():
     for k, want in ((0, []), (2, [5, 6]), (4, [3, 4, 5, 6]), (6, [1, 2, 3, 4, 5, 6]), (9, list(range(7)))):
         taken = last_rows(blocks, k)
         assert (torch.cat(taken)[:, 0].tolist() if taken else []) == want, k
+
+
+def test_a_feeds_rows_in_blocks_stage_as_in_one(checkpoints, tmp_path):
+    """A feed's states may span blocks (each step's rows arrive as one), float8-packed or not: the head
+    fed them sees what one block of the same values gives it, row for row, each sequence at its own
+    rows of the padded feed."""
+    target, head_dir = setup(checkpoints, tmp_path)
+    eng = engine(target, head_dir)
+    feeds = [[3, 14, 15, 92, 65], [35, 89]]
+    states = [quantize_rows(torch.randn(len(f), eng.aux_width, dtype=torch.float64)) for f in feeds]
+    slots = torch.tensor([0, 1])
+
+    def fed(rows):
+        return engine(target, head_dir)._pairs_forward([0, 0], feeds, rows, slots)
+
+    plain = [[dequantize_rows(s, torch.float64)] for s in states]
+    want = fed(plain)
+    packed_blocks = [[s[:2], s[2:3], s[3:]] for s in states]   # (the second feed's last block is empty)
+    mixed_blocks = [[s[:2], dequantize_rows(s[2:], torch.float64)] for s in states]
+    for rows in (packed_blocks, mixed_blocks):
+        got = fed(rows)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
