@@ -86,9 +86,10 @@ def test_a_wave_into_an_empty_batch_counts_for_both_kinds():
 def test_steps_that_prefill_prompts_of_earlier_groups_are_shared_with_them():
     """A wave into a batch of one on the H100 (C = 64, ms over clean): 43 prompts joined under off, 20
     more under chain k=4 the step after, and the next five steps prefilled all 63 in chunks. Each
-    group takes those steps by its prompts; the chain's group alone took them (5.4 ms a prompt where
-    the chain row's prompts cost 3.3) and auto ran off at 0.88x of chain k=4. The prompts admitted
-    first finish their prefill first: a step that still prefills only the newest group's is its own."""
+    group takes those steps by its prompts (where the newest group took every step, the chain's took
+    them all: 5.4 ms a prompt where the chain row's prompts cost 3.3, and auto ran off at 0.88x of
+    chain k=4). Prompts finish their prefill in the order they came: a step that still prefills
+    only the newest group's prompts is that group's."""
     o = StepOverheads(window=16, min_prompts=8)
     o.observe(False, 44, 0.046, 43, prefilling=True)
     o.observe(True, 64, 0.020, 20, prefilling=True, carried=43)
