@@ -161,7 +161,7 @@ class Eagle3DrafterEngine:
         tokens = torch.tensor([f + [0] * (n - len(f)) for f in feeds], dtype=torch.long)      # [B, n] host
         lengths = torch.tensor([len(f) for f in feeds], dtype=torch.long)
         start = torch.tensor(starts, dtype=torch.long)
-        taken = [last_rows(blocks, len(f)) for blocks, f in zip(rows, feeds)]   # per row, its blocks to stage
+        taken = [last_rows(blocks, len(f)) for blocks, f in zip(rows, feeds)]   # per sequence, its blocks to stage
         packed = all(r.dtype == torch.uint8 for blocks in taken for r in blocks)   # fp8: uploaded as such
         width, dtype = (self.aux_width + 4, torch.uint8) if packed else (self.aux_width, self.dtype)
         hidden = self.staging.get(f"{staging} {dtype}", (len(feeds), n, width), dtype).zero_()
