@@ -2,7 +2,8 @@
 a gateway's debug log (SPECDEC_LOG_LEVEL=debug: one "auto step" line per measured step), and what
 the steps that admitted prompts took over their clean price per prompt, per kind (off,
 speculating), next to the figure auto charged a prompt ("auto admitting step" lines), and where
-the scheduler's time went, by what its steps did ("scheduler step" lines, every request's mode).
+the scheduler's time went, by what its steps did ("scheduler step" lines, every request's mode), with
+the drafts' and verifies' round trips next to the engines' own time in them.
 
     python scripts/auto_log_summary.py /tmp/logs/gateway.log [more logs]
     python scripts/auto_log_summary.py --by-mode /tmp/w/gateway-a0.8.log   # a sweep's gateway: each mode apart
@@ -66,6 +67,11 @@ class StepKind:
     longest_ms: float = 0.0
     batch: int = 0               # summed over the steps
     committed: int = 0           # tokens the steps committed (logs before it was logged: 0)
+    round_trips: dict[str, float] = field(default_factory=lambda: defaultdict(float))   # summed ms, per field
+
+
+# The round trips a step line gives, and the engines' share of each (older logs: none of the engine's).
+ROUND_TRIPS = ("draft_ms", "draft_engine_ms", "verify_ms", "verify_engine_ms")
 
 
 def step_kind(f: dict) -> str:
@@ -88,6 +94,8 @@ def step_kinds(lines) -> dict[str, StepKind]:
         k.longest_ms = max(k.longest_ms, ms)
         k.batch += int(f["batch"])
         k.committed += int(f.get("committed", 0))
+        for name in ROUND_TRIPS:
+            k.round_trips[name] += float(f.get(name, 0.0))
     return dict(out)
 
 
@@ -115,11 +123,15 @@ def print_step_kinds(lines, title: str = "scheduler steps") -> None:
     if not kinds:
         return
     total = sum(k.ms for k in kinds.values())
-    print(f"\n| {title} | steps | seconds | share of the time | mean ms | longest ms | mean batch | tokens | tok/ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"\n| {title} | steps | seconds | share of the time | mean ms | longest ms | mean batch | tokens | tok/ms "
+          f"| draft ms (engine) | verify ms (engine) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, k in sorted(kinds.items(), key=lambda kv: -kv[1].ms):
+        trips = {x: k.round_trips[x] / k.steps for x in ROUND_TRIPS}
         print(f"| {name} | {k.steps} | {k.ms / 1e3:.2f} | {k.ms / total:.0%} | {k.ms / k.steps:.2f} | "
-              f"{k.longest_ms:.1f} | {k.batch / k.steps:.1f} | {k.committed} | {k.committed / k.ms:.2f} |")
+              f"{k.longest_ms:.1f} | {k.batch / k.steps:.1f} | {k.committed} | {k.committed / k.ms:.2f} | "
+              f"{trips['draft_ms']:.2f} ({trips['draft_engine_ms']:.2f}) | "
+              f"{trips['verify_ms']:.2f} ({trips['verify_engine_ms']:.2f}) |")
 
 
 def summarize(lines) -> dict[str, ChoiceSteps]:

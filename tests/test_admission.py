@@ -8,6 +8,8 @@ import asyncio
 import sys
 from pathlib import Path
 
+import pytest
+
 from gateway.admission import AT_ONCE, AdmissionPolicy
 from gateway.request import ActiveRequest, GenerationRequest, Mode, SpecSettings
 from gateway.scheduler import Scheduler
@@ -49,7 +51,7 @@ class Verifier:
 
     async def step(self, msg):
         self.opened.append([o.seq_id for o in msg.open])
-        resp = verifier_pb2.VerifyStepResponse(step=msg.step)
+        resp = verifier_pb2.VerifyStepResponse(step=msg.step, engine_seconds=0.002)
         self.prefilling.update({o.seq_id: (self.prefill_steps, len(o.prompt_ids)) for o in msg.open})
         for seq_id, (left, length) in list(self.prefilling.items()):
             self.prefilling[seq_id] = (left - 1, length)
@@ -159,6 +161,8 @@ def test_each_steps_line_says_what_it_did_and_the_log_summary_sums_them_by_kind(
     assert kinds["admitting prompts"].batch == 64 and kinds["off"].batch == 64 * 3 + 66 * 2
     # the tokens each step committed: one a running request, and each prompt's first
     assert kinds["admitting prompts"].committed == 64 + 2 and kinds["off"].committed == 64 * 3 + 66 * 2
+    # the engines' share of the round trips (the stand-in verifier says its engine took 2 ms a step)
+    assert kinds["off"].round_trips["verify_engine_ms"] == pytest.approx(kinds["off"].steps * 2.0)
 
 
 def test_the_scheduler_tells_auto_what_each_step_took_in_and_the_batch_it_joined():
