@@ -259,19 +259,18 @@ class StepOverheads:
         included; prefilling: it also prefilled prompt chunks; carried: of prompts that earlier steps
         admitted), `excess` seconds over its clean price. speculating None: a step with nothing
         running, whose group counts for both kinds."""
-        sharing = []
-        if admitted:
-            sharing.append([self.steps, 0.0, admitted])
-            for kind in (False, True) if speculating is None else (speculating,):
-                self.groups.setdefault((kind, bucket(batch)), deque(maxlen=self.window)).append(sharing[0])
-        for group in reversed(self.open):   # the newest earlier groups that hold the carried prompts
+        earlier = []   # the newest earlier groups, as many as hold the carried prompts
+        for group in reversed(self.open):
             if carried <= 0:
                 break
-            sharing.append(group)
+            earlier.append(group)
             carried -= group[2]
-        if admitted:
-            self.open.append(sharing[0])
-        sharing = sharing or self.sharing   # no prompt of its own: the groups of the step before
+        new = [[self.steps, 0.0, admitted]] if admitted else []
+        for group in new:
+            self.open.append(group)
+            for kind in (False, True) if speculating is None else (speculating,):
+                self.groups.setdefault((kind, bucket(batch)), deque(maxlen=self.window)).append(group)
+        sharing = new + earlier or self.sharing   # no prompt of its own: the groups of the step before
         prompts = sum(group[2] for group in sharing)
         for group in sharing:
             group[0] = self.steps
