@@ -3,8 +3,10 @@ greedy chain or tree.
 
 The real pairs (the tokens a verdict committed, with the target's hidden states) are captured per
 (batch bucket, pairs per sequence up to 8), and prompts' feeds per (batch bucket, padded length
-PROMPT_PAIRS) up to PREFILL_MAX_TOKENS pairs a graph (longer ones run eagerly); feeds are padded
-to the next captured length, and all these graphs read the states from one shared buffer. The
+PROMPT_PAIRS) up to PREFILL_MAX_TOKENS pairs a graph; feeds are padded to the next captured length,
+and all these graphs read the states from one shared buffer. A step feeding more pairs than one
+graph holds (a switch from mode off catches up every running sequence's history at once) replays
+one graph per chunk of rows; a feed longer than the longest captured one runs eagerly. The
 draft loops are as drafter_svc/draft_graphs.py has them for draft models, with the head's extra
 static inputs: the hidden output after the last committed token (each drafted
 position feeds the head's own output) and, for chains, overlap's forced (assumed) tokens: one
@@ -87,7 +89,7 @@ class _CapturedHedges:
 
 class Eagle3Graphs:
     def __init__(self, engine: Eagle3DrafterEngine, max_batch: int, chain_steps=DEFAULT_CHAIN_STEPS,
-                 tree_shapes=DEFAULT_TREE_SHAPES) -> None:
+                 tree_shapes=DEFAULT_TREE_SHAPES, max_pair_tokens: int = PREFILL_MAX_TOKENS) -> None:
         self.engine = engine
         self.batch_sizes = batch_buckets(max_batch)
         self.keys = tuple(sorted(chain_steps)) + tuple(tree_shapes)
@@ -96,7 +98,7 @@ class Eagle3Graphs:
         self.pairs_captured: dict[tuple[int, int], _CapturedPairs] = {}
         self.pair_lens = REAL_PAIRS + PROMPT_PAIRS
         # (the attention reads a feed's keys up to its start + padded length: within the slot)
-        self.pairs_fit = lambda b, n: n <= engine.slot_len and (n in REAL_PAIRS or b * n <= PREFILL_MAX_TOKENS)
+        self.pairs_fit = lambda b, n: n <= engine.slot_len and (n in REAL_PAIRS or b * n <= max_pair_tokens)
         most = max(b * n for b in self.batch_sizes for n in self.pair_lens if self.pairs_fit(b, n))
         # the states every pairs graph reads: [b, n, aux] views of one buffer, filled before each replay
         self.pairs_hidden = torch.zeros(most * engine.aux_width, dtype=engine.dtype, device=engine.device)
@@ -143,14 +145,25 @@ class Eagle3Graphs:
     def real_pairs(self, tokens, hidden, start, lengths, slots):
         """tokens [B, n], start, lengths, slots [B] on the host; hidden [B, n, aux] pinned on the host or on
         the device
-        -> real_pairs_forward's outputs, or None when no graph fits (run eagerly)."""
+        -> real_pairs_forward's outputs, or None when no graph fits (run eagerly). Rows beyond the
+        largest graph of the feed's padded length run in chunks, a replay each."""
         b, n = tokens.shape
-        gb = self._bucket(b)
         room = self.engine.slot_len - int(start.max())
-        gn = next((x for x in self.pair_lens if n <= x <= room and (gb, x) in self.pairs_captured), None)
+        gn = next((x for x in self.pair_lens if n <= x <= room and (1, x) in self.pairs_captured), None)
         if gn is None:
             return None
-        c = self.pairs_captured[(gb, gn)]
+        rows = max(bb for bb, x in self.pairs_captured if x == gn)
+        if b <= rows:
+            return self._replay_pairs(gn, tokens, hidden, start, lengths, slots)
+        # a chunk's outputs are the graph's static buffers, which the next chunk's replay may reuse
+        parts = [tuple(o.clone() for o in self._replay_pairs(gn, *(t[i:i + rows] for t in
+                                                                  (tokens, hidden, start, lengths, slots))))
+                 for i in range(0, b, rows)]
+        return tuple(torch.cat(outs) for outs in zip(*parts))
+
+    def _replay_pairs(self, gn: int, tokens, hidden, start, lengths, slots):
+        b, n = tokens.shape
+        c = self.pairs_captured[(self._bucket(b), gn)]
         # padding rows: the capture's values; padded pairs of real rows lie past their lengths and
         # write KV past their real pairs, where the next real pairs or drafts overwrite it
         c.ints.load([tokens if gn == n else torch.nn.functional.pad(tokens, (0, gn - n)), start, lengths, slots])

@@ -162,17 +162,22 @@ class _EagerReplay:
 
     def replay(self) -> None:
         self.replays += 1
+        before = self.c.outputs
         self.body(self.c)
+        if before:   # as a graph: each replay writes the same output buffers
+            for buffer, out in zip(before, self.c.outputs):
+                buffer.copy_(out)
+            self.c.outputs = before
 
 
-def graphed(eng: Eagle3DrafterEngine, device: str) -> Eagle3DrafterEngine:
+def graphed(eng: Eagle3DrafterEngine, device: str, max_batch: int = 3, **limits) -> Eagle3DrafterEngine:
     from drafter_svc.eagle3_graphs import HEDGE_STEPS, Eagle3Graphs, _Captured, _CapturedHedges, _CapturedPairs
 
     if device == "cuda":
         eng.capture_cuda_graphs()
         assert eng.graphs.hedges_captured or not eng.hedge_predrafts
         return eng
-    eng.graphs = g = Eagle3Graphs(eng, 3, chain_steps=(2, 4, 5, 6), tree_shapes=GRAPHED_TREES)
+    eng.graphs = g = Eagle3Graphs(eng, max_batch, chain_steps=(2, 4, 5, 6), tree_shapes=GRAPHED_TREES, **limits)
     for b in g.batch_sizes:
         for key in g.keys:
             c = g.captured[(b, key)] = _Captured(key, b, eng)
@@ -408,3 +413,34 @@ def test_a_feeds_rows_in_blocks_stage_as_in_one(checkpoints, tmp_path):
     for rows in (packed_blocks, mixed_blocks):
         got = fed(rows)
         assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_a_catch_up_wider_than_a_graph_replays_it_in_chunks(checkpoints, tmp_path):
+    """Four sequences open at once with 20-token prompts (a switch from mode off sends every running
+    sequence's history in one step) where a pairs graph holds at most 64 pairs: their 19 pairs each,
+    padded to 32, replay the graph of two rows twice (not eagerly), and every draft of this and the
+    next steps equals the eager engine's."""
+    target, head_dir = setup(checkpoints, tmp_path)
+
+    def make():
+        head = load_eagle3(head_dir, target.spec, torch.float64, torch.device("cpu"))
+        return Eagle3DrafterEngine(head, target.model.embed_tokens.weight, max_sequences=4, max_context=128)
+
+    eager, fast = make(), graphed(make(), "cpu", max_batch=4, max_pair_tokens=64)
+    assert (2, 32) in fast.graphs.pairs_captured and (4, 32) not in fast.graphs.pairs_captured
+    aux = eager.head.spec.aux_layers
+    contexts = {sid: [(7 * i + 31 * n) % 300 + 1 for i in range(20)] for n, sid in enumerate("abcd")}
+    sent = dict.fromkeys(contexts, 0)
+    for step in range(1, 4):
+        items = [DraftItem(sid, len(ctx), ctx[sent[sid]:], [], ChainShape(4),
+                           hidden=target_states(target, aux, ctx)[max(0, sent[sid] - 1):])
+                 for sid, ctx in contexts.items()]
+        sent = {sid: len(ctx) for sid, ctx in contexts.items()}
+        want, got = eager.step(DrafterStep(step, items)), fast.step(DrafterStep(step, items))
+        assert not want.errors and not got.errors
+        for w, g in zip(want.drafts, got.drafts):
+            assert w.tree.token_ids == g.tree.token_ids, (step, w.seq_id)
+            assert max(abs(a - b) for a, b in zip(w.tree.logprobs, g.tree.logprobs)) < 1e-9
+        for sid, d in zip(contexts, want.drafts):
+            contexts[sid] += d.tree.token_ids[:2] + [step + 11]
+    assert fast.graphs.pairs_captured[(2, 32)].graph.replays == 2

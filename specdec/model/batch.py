@@ -134,6 +134,9 @@ class PackedStatics:
         self.fills = fills
         self.buffer = torch.empty(sum(sizes), dtype=torch.long, device=device)
         self.host = torch.empty(sum(sizes), dtype=torch.long, pin_memory=device.type == "cuda")
+        # the last upload from `host`: a second load before a read-back (one graph replayed for
+        # several chunks of a step) must not refill it while that copy may still be pending
+        self.uploaded = torch.cuda.Event() if device.type == "cuda" else None
         self.views = [v.view(shape) for v, (shape, _) in zip(self.buffer.split(sizes), fills)]
         for v, (_, value) in zip(self.views, fills):
             v.fill_(value)
@@ -143,5 +146,9 @@ class PackedStatics:
         B get each view's fill value."""
         padded = [p if p.shape[0] == shape[0] else torch.cat([p, p.new_full((shape[0] - p.shape[0], *shape[1:]), value)])
                   for p, (shape, value) in zip(parts, self.fills)]
+        if self.uploaded is not None:
+            self.uploaded.synchronize()   # at once unless this step loaded these statics before
         torch.cat([p.reshape(-1) for p in padded], out=self.host)
         self.buffer.copy_(self.host, non_blocking=True)
+        if self.uploaded is not None:
+            self.uploaded.record()
