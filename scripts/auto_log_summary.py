@@ -78,6 +78,8 @@ def step_kind(f: dict) -> str:
     admitted, batch = int(f["admitted"]), int(f["batch"])
     if admitted:   # (batch: the requests the step continued; the prompts join them)
         return "admitting a wave" if is_wave(admitted, batch + admitted) else "admitting prompts"
+    if f["prefilling"] == "True":   # chunks of prompts that earlier steps admitted (a long prompt or a wave)
+        return "prefilling earlier prompts"
     if f["released"] == "True":
         return "released (off, rows sent)"
     return "speculating" if int(f["drafting"]) or int(f["predrafting"]) else "off"

@@ -129,6 +129,12 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
             await loop.run_in_executor(executor, warm_up, engine)
             if cfg.cost_profile:
                 costs = await loop.run_in_executor(executor, measure_costs, engine)
+                if cfg.role == "verifier" and cfg.fold_prefill:
+                    from verifier_svc.cost_profile import pass_tokens
+
+                    engine.fold_pass_tokens = pass_tokens(costs)
+                    log.info("prompt chunks may widen a verify forward to fold (a forward's pass over the "
+                             "weights costs what this many tokens do)", tokens=round(engine.fold_pass_tokens, 1))
                 info.step_costs.extend(common_pb2.StepCost(shape=c.shape, batch=c.batch, seconds=c.seconds)
                                        for c in costs)
                 log.info("cost profile measured", entries=len(costs),

@@ -23,10 +23,10 @@ class PackedTrees:
     max_children: int        # the most children of one node in the batch, likewise
 
 
-def pack_trees(roots: list[int], trees: list[DraftTree], device: torch.device) -> PackedTrees:
+def pack_trees(roots: list[int], trees: list[DraftTree], device: torch.device, width: int = 1) -> PackedTrees:
     """The structure is worked out on the host (a few numpy operations, not dozens of kernel
-    launches) and moved in two copies."""
-    n = 1 + max((len(t) for t in trees), default=0)
+    launches) and moved in two copies. width: at least this many nodes a row (padding)."""
+    n = max(width, 1 + max((len(t) for t in trees), default=0))
     # per row: the node tokens, their parents, the real node count   [B, 2n + 1]
     rows = np.array([[root, *t.token_ids, *[0] * (n - 1 - len(t)), -1, *t.parents, *[-1] * (n - 1 - len(t)),
                       1 + len(t)] for root, t in zip(roots, trees)], dtype=np.int64).reshape(-1, 2 * n + 1)

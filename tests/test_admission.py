@@ -193,14 +193,15 @@ def test_the_log_summary_keeps_each_modes_steps_apart():
     def started(mode):
         return f"... [info ] request started drafter=d max_new_tokens=64 mode={mode} n=1 request_id=r"
 
-    def step(admitted, drafting):
+    def step(admitted, drafting, prefilling=False):
         return (f"... [debug ] scheduler step admitted={admitted} batch=4 draft_ms=1 drafting={drafting} ms=10 "
-                f"predraft_ms=0 predrafting=0 prefilling=False released=False verify_ms=9")
+                f"predraft_ms=0 predrafting=0 prefilling={prefilling} released=False verify_ms=9")
 
-    lines = [started("off"), started("off"), step(2, 0), step(0, 0),
+    lines = [started("off"), started("off"), step(2, 0, True), step(0, 0, True), step(0, 0),
              started("chain"), started("chain"), step(0, 4), step(0, 4), step(0, 4),
              started("off"), started("off"), step(0, 0)]
     blocks = by_mode(lines)
     assert set(blocks) == {"off x 2", "chain x 2"}
-    assert {k: v.steps for k, v in step_kinds(blocks["off x 2"]).items()} == {"admitting prompts": 1, "off": 2}
+    assert {k: v.steps for k, v in step_kinds(blocks["off x 2"]).items()} == {
+        "admitting prompts": 1, "prefilling earlier prompts": 1, "off": 2}
     assert {k: v.steps for k, v in step_kinds(blocks["chain x 2"]).items()} == {"speculating": 3}

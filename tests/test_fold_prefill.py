@@ -25,9 +25,11 @@ class CountingRunner(ModelRunner):
     def __init__(self, model) -> None:
         super().__init__(model)
         self.forwards = 0
+        self.rows = 0   # the most rows a forward had
 
     def forward_with_aux(self, batch, logit_index=None):
         self.forwards += 1
+        self.rows = max(self.rows, batch.tokens.shape[0])
         return super().forward_with_aux(batch, logit_index)
 
 
@@ -46,9 +48,10 @@ def draft(rng: random.Random, tree: bool) -> DraftTree:
     return DraftTree([rng.randrange(380) for _ in range(4)], [0, 1, 2, 3])
 
 
-def scenario(eng: VerifierEngine, seed: int) -> list[tuple]:
+def scenario(eng: VerifierEngine, seed: int, off: bool = False) -> list[tuple]:
     """Two sequences running; prompts (one of them twice, shared) arrive at steps 1 and 4, each
-    then verified like the others once answered. -> every verdict and error, in order."""
+    then verified like the others once answered (off: without drafts, as mode off verifies).
+    -> every verdict and error, in order."""
     rng = random.Random(seed)
     shared = [(3 * i + 1) % 380 for i in range(23)]
     arrivals = {1: [("p1", shared, ""), ("p2", shared, "p1")],
@@ -60,7 +63,8 @@ def scenario(eng: VerifierEngine, seed: int) -> list[tuple]:
     for step in range(1, 12):
         opens = [OpenSequence(sid, p, share_prefill_with=share, want_hidden=True)
                  for sid, p, share in arrivals.get(step, [])]
-        verify = [VerifyItem(sid, len(eng.table.get(sid).tokens), draft(rng, tree=(sid in ("r2", "p3"))))
+        verify = [VerifyItem(sid, len(eng.table.get(sid).tokens),
+                             DraftTree() if off else draft(rng, tree=(sid in ("r2", "p3"))))
                   for sid in sorted(answered)]
         res = eng.step(VerifierStep(step, open=opens, verify=verify))
         assert not res.errors, res.errors
@@ -102,6 +106,41 @@ def test_prompts_too_many_for_the_rows_get_a_forward_of_their_own(checkpoints):
         res = eng.step(VerifierStep(1, open=[OpenSequence("p", long)], verify=[VerifyItem("r", 4, DraftTree())]))
         results.append(([(v.seq_id, tuple(v.accepted_ids)) for v in res.verdicts], eng.runner.forwards - before))
     assert results[0] == results[1] and results[1][1] == 2
+
+
+def test_mode_offs_prompts_fold_into_a_widened_verify_where_the_pass_saved_pays_for_the_padding(checkpoints):
+    """Mode off verifies a row of one token a sequence, so its prompts never fit the rows at that width
+    (23 tokens: 25 rows > 12): the verify forward widens to the narrowest captured width that fits (3:
+    10 rows of 3) when that padding costs less than the forward it saves (fold_pass_tokens, the
+    weights' pass in tokens), and answers what prefilling apart answers."""
+    path = checkpoints["llama-gqa"]
+    apart = engine(path, 0, fold=False)
+    want = scenario(apart, 3, off=True)
+    forwards = {}
+    for pass_tokens in (0.0, 1.0, 1000.0):
+        folded = engine(path, 0, fold=True)
+        folded.fold_pass_tokens = pass_tokens
+        check_same(want, scenario(folded, 3, off=True), 1e-9)
+        forwards[pass_tokens] = folded.runner.forwards
+        assert folded.runner.rows <= folded.graph_rows   # the rows its graphs were captured for
+    # Unpriced: never widened. A pass worth one token: step 1's prompt stays apart (25 tokens apart + 1
+    # against 10 rows of 3 folded), step 4's two fold (4 rows + 9 + 1 tokens apart, 22 + 1, against 10 rows
+    # of 2). Priced dear: both arrivals fold.
+    assert forwards[0.0] == apart.runner.forwards
+    assert forwards[1.0] == apart.runner.forwards - 1 and forwards[1000.0] == apart.runner.forwards - 2
+
+
+def test_a_forwards_pass_over_the_weights_in_tokens_from_the_cost_profile():
+    from specdec.cost_profile import StepCost
+    from verifier_svc.cost_profile import pass_tokens
+
+    ms = {(1, 1): 8.0, (1, 17): 8.5, (64, 1): 9.0, (64, 5): 13.0, (64, 17): 25.0}
+    costs = [StepCost(f"verify:{w}", b, t / 1e3) for (b, w), t in ms.items()] + [StepCost("chain:4", 64, 1.0)]
+    # 16 ms over 64 x 16 tokens at batch 64: 1/64 ms a token; the one-token step 8 ms
+    assert pass_tokens(costs) == pytest.approx(512.0)
+    assert pass_tokens(costs[2:]) == 0.0   # no one-token step to price the pass
+    flat = [StepCost("verify:1", 1, 0.008), StepCost("verify:1", 64, 0.009), StepCost("verify:17", 64, 0.009)]
+    assert pass_tokens(flat) == 0.0        # tokens cost nothing measurable: no price
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -48,3 +48,21 @@ def measure_verify_costs(engine: VerifierEngine, reps: int = 3) -> list[StepCost
             engine.close(ids)
     engine.table.opened, engine.prefill_tokens_computed = opened, computed
     return costs
+
+
+def pass_tokens(costs: list[StepCost]) -> float:
+    """What one forward's pass over the weights costs, in tokens of compute: the narrowest step's
+    time (batch 1, width 1: the weights read once for one token) over what a token adds where the
+    steps are largest (the largest batch profiled, its widest width against its narrowest). The
+    engine weighs folding prompt chunks into a wider verify forward with it (fold_width).
+    0 when the profile cannot tell (too few entries, or no growth with tokens)."""
+    seconds = {(c.shape, c.batch): c.seconds for c in costs if c.shape.startswith("verify:")}
+    if ("verify:1", 1) not in seconds:
+        return 0.0
+    top = max(b for _, b in seconds)
+    widths = sorted(int(shape.split(":")[1]) for shape, b in seconds if b == top)
+    lo, hi = widths[0], widths[-1]
+    if hi == lo:
+        return 0.0
+    per_token = (seconds[(f"verify:{hi}", top)] - seconds[(f"verify:{lo}", top)]) / (top * (hi - lo))
+    return seconds[("verify:1", 1)] / per_token if per_token > 0 else 0.0

@@ -14,6 +14,7 @@ from kernels.greedy_accept import greedy_accept
 from kernels.spec_sampling import child_table, spec_sample
 from specdec.errors import ErrorCode, SequenceError
 from specdec.model.batch import ForwardBatch, causal_region, rows_of, upload, upload_feeds, upload_list
+from specdec.model.cuda_graphs import DEFAULT_QUERY_LENS, verify_query_lens
 from specdec.model.fp8_rows import quantize_rows
 from specdec.model.hidden_projection import HiddenProjection
 from specdec.model.runner import ModelRunner
@@ -61,6 +62,12 @@ class VerifierEngine:
         self.prefills = PrefillQueue(prefill_chunk)
         self.graph_rows = 2 * max_sequences if fold_prefill else max_sequences   # rows a verify forward may have
         self.fold_prefill = fold_prefill
+        # Widths a verify forward may be widened to for a fold (those the graphs are captured for at
+        # every batch: not the wide trees' lengths, captured for small batches only), and
+        # what a forward's pass over the weights costs in tokens of compute (0: never widen; the cost
+        # profile sets it, see fold_width)
+        self.verify_widths = tuple(w for w in verify_query_lens(max_draft_tokens) if w in DEFAULT_QUERY_LENS)
+        self.fold_pass_tokens = 0.0
         self.prefill_tokens_computed = 0  # prompt tokens fed by prefills since start (host count, no sync)
 
     def close(self, seq_ids: list[str]) -> None:
@@ -91,9 +98,10 @@ class VerifierEngine:
         self.prefills.add(opened)
         chunks = self.prefills.take() if self.prefills else []
         hold = set(req.hold_hidden)
-        if chunks and not self._foldable(chunks, req.verify):
+        width = self.fold_width(chunks, req.verify) if chunks else 1
+        if chunks and width is None:
             result.verdicts += self._prefill(chunks, hold)
-            chunks = []
+            chunks, width = [], 1
         items: list[tuple[SequenceState, VerifyItem]] = []
         for item in req.verify:
             checked = self._check(item)
@@ -102,18 +110,32 @@ class VerifierEngine:
             else:
                 items.append((checked, item))
         if items:
-            result.verdicts += self._verify(items, chunks, hold)
+            result.verdicts += self._verify(items, chunks, hold, width)
         elif chunks:   # every verify item was refused: nothing to ride on
             result.verdicts += self._prefill(chunks, hold)
         return result
 
-    def _foldable(self, chunks: list[Chunk], verify: list[VerifyItem]) -> bool:
-        """Whether this step's prompt chunks fit as rows of its verify forward (as wide as its widest
-        draft tree, root included) within the rows its graphs were captured for."""
+    def fold_width(self, chunks: list[Chunk], verify: list[VerifyItem]) -> int | None:
+        """The width of a verify forward that takes this step's prompt chunks as extra rows of that
+        many tokens, within the rows its graphs were captured for: its widest draft tree's (root
+        included), or where that needs too many rows (mode off: a row per prompt token), the
+        narrowest wider verify width that fits, if the padding it adds costs less than the forward of
+        their own it saves (fold_pass_tokens); None: the chunks run apart. (Off never folded: its
+        steps that prefilled took two passes over the weights where a chain's took one.)"""
         if not (self.fold_prefill and verify):
-            return False
-        width = 1 + max(len(it.draft) for it in verify)
-        return len(verify) + sum(-(-(c.end - c.start) // width) for c in chunks) <= self.graph_rows
+            return None
+        widest = 1 + max(len(it.draft) for it in verify)
+
+        def rows(w: int) -> int:
+            return len(verify) + sum(-(-(c.end - c.start) // w) for c in chunks)
+
+        if rows(widest) <= self.graph_rows:
+            return widest
+        wider = next((w for w in self.verify_widths if w > widest and rows(w) <= self.graph_rows), None)
+        if wider is None or self.fold_pass_tokens <= 0:
+            return None
+        apart = len(verify) * widest + len(chunks) * max(c.end - c.start for c in chunks)   # tokens, padded
+        return wider if rows(wider) * wider <= apart + self.fold_pass_tokens else None
 
     def finish_prefills(self) -> list[Verdict]:
         """Start-up work and tools: run prefill chunks until no prompt is left half-prefilled."""
@@ -220,12 +242,13 @@ class VerifierEngine:
         return sample_from(probs, uniforms(seed_tensor(params, self.device), pos, RESIDUAL)[:, 0])
 
     def _verify(self, items: list[tuple[SequenceState, VerifyItem]], chunks: list[Chunk],
-                hold: set[str] = frozenset()) -> list[Verdict]:
+                hold: set[str] = frozenset(), width: int = 1) -> list[Verdict]:
         """The items' draft trees in one forward, with this step's prompt chunks as extra rows
         when they ride along (fold_prefill); -> the prompts' verdicts, then the items'. hold: seq
-        ids whose hidden-state rows stay here this step (HeldRows)."""
+        ids whose hidden-state rows stay here this step (HeldRows). width: at least this many
+        tokens a row (fold_width)."""
         states = [s for s, _ in items]
-        trees = pack_trees([s.tokens[-1] for s in states], [it.draft for _, it in items], self.device)
+        trees = pack_trees([s.tokens[-1] for s in states], [it.draft for _, it in items], self.device, width)
         n = trees.tokens.shape[1]
         starts = [len(s.tokens) - 1 for s in states]  # KV entries before the root
         kv_start = upload_list(starts, self.device)   # [B]
