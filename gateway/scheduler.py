@@ -29,6 +29,7 @@ from gateway.auto.controller import AutoController, draft_family
 from gateway.backends import BackendLost, StepStream
 from gateway.dialer import BackendDialer
 from gateway.hold import NO_HOLD, POLL_SECONDS, HoldGate
+from gateway.release_budget import ReleaseBudget
 from gateway.request import ActiveRequest, Event, Mode, PreDraft
 from specdec.draft_tree import DraftTree
 from specdec.errors import ErrorCode
@@ -60,6 +61,8 @@ class Scheduler:
         self.close_verifier: list[str] = []
         self.close_drafter: dict[str, list[str]] = defaultdict(list)
         self.stop_hidden: list[str] = []   # seq ids whose verdicts should stop carrying hidden states
+        self.release_budget = ReleaseBudget()   # how many held hidden-state rows a step may release
+        self.held_back: set[str] = set()        # this step: releases put off to a later step (budget)
         self.wakeup = asyncio.Event()
         self.step_no = 0
         self.tally = metrics.StepTally(verifier.address)
@@ -183,13 +186,28 @@ class Scheduler:
     def _hold_or_release(self, continuing: list[ActiveRequest]) -> bool:
         """The verifier keeps the hidden states of the requests auto runs off (AutoController.holding)
         and sends them with the next verdict of a step that does not hold them. A request planned
-        to draft while its rows are held runs off this step instead, and drafts from the next.
-        -> whether that happened (the step then ran another plan than auto's: not measured)."""
+        to draft while its rows are held runs off this step instead, and drafts from the next. A
+        step releases at most the budget's rows (the rest stay held a step longer), and a request
+        holding more than a request may is parked (gateway/release_budget.py).
+        -> whether a request ran off against the plan (the step then ran another plan than auto's:
+        not measured)."""
         released = False
+        step_rows, request_rows = self.release_budget.step_rows(), self.release_budget.request_rows()
+        releasing = 0
+        self.held_back = set()
         for r in continuing:
-            if r.seq_id in self.auto.holding:
+            held = len(r.tokens) - r.drafter_len   # the rows the verifier may hold for r, at most
+            if r.rows_held and request_rows is not None and held > request_rows:
+                self.auto.park([r])   # its rows stay held this step; the next one stops them
+                self.held_back.add(r.seq_id)
+                r.rows_held, released = False, True
+            elif r.seq_id in self.auto.holding:
                 r.rows_held = True
+            elif r.rows_held and step_rows is not None and releasing and releasing + held > step_rows:
+                self.held_back.add(r.seq_id)   # released by a later step
+                r.mode, r.choice, released = Mode.OFF, "off", True
             elif r.rows_held:
+                releasing += held
                 r.rows_held = False   # this step's verdict brings them
                 if r.mode != Mode.OFF and r.draft is None:
                     r.mode, r.choice, released = Mode.OFF, "off", True
@@ -201,7 +219,7 @@ class Scheduler:
         if self.auto is None or not self.auto.hidden_states:   # (no EAGLE-3 drafter: nothing to hold)
             return []
         opening = {r.seq_id for r in self.active.values() if r.opening and r.rows_held}
-        return sorted(self.auto.holding | opening)
+        return sorted(self.auto.holding | self.held_back | opening)
 
     def _admit(self) -> list[ActiveRequest]:
         if not self.pending:
@@ -327,8 +345,10 @@ class Scheduler:
             if v.committed_len != len(r.tokens) + len(accepted):
                 self._fail(r, "INTERNAL", f"verifier and gateway disagree on the length of {r.seq_id}")
                 continue
-            if v.HasField("hidden_states") and r.speculates:
-                r.hidden_rows.append(v.hidden_states)
+            if v.HasField("hidden_states"):
+                self.release_budget.saw(v.hidden_states)
+                if r.speculates:
+                    r.hidden_rows.append(v.hidden_states)
             if r.opening:   # the prefill's verdict: the first token, no draft
                 r.opening = False
             else:

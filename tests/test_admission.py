@@ -184,6 +184,24 @@ def test_the_scheduler_tells_auto_how_many_earlier_prompts_a_step_still_prefille
     assert auto.carried == [0, 8, 2, 3, 0]
 
 
+def test_the_scheduler_learns_a_hidden_state_rows_size_from_the_verdicts():
+    """The budget for releasing held rows counts bytes (gateway/release_budget.py): the scheduler reads a
+    row's size off the verdicts' payloads."""
+    class RowsVerifier(Verifier):
+        async def step(self, msg):
+            resp = await super().step(msg)
+            for v in resp.verdicts:
+                v.hidden_states.dtype, v.hidden_states.data = "uint8", bytes(24)
+                v.hidden_states.shape[:] = [2, 12]
+            return resp
+
+    sched = Scheduler(RowsVerifier(), 8, set())
+    assert sched.release_budget.step_rows() is None
+    sched.submit(request(0))
+    asyncio.run(sched._step())
+    assert sched.release_budget.row_bytes == 12
+
+
 def test_the_log_summary_keeps_each_modes_steps_apart():
     """A sweep runs one mode at a time through one gateway: the summary splits its steps by the mode of
     the requests started last and how many started in a row."""

@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 
 from gateway.auto.controller import AutoController, draft_family
+from gateway.release_budget import ReleaseBudget
 from gateway.request import ActiveRequest, GenerationRequest, Mode, SpecSettings
 from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, VERIFY_WIDTHS, StepCost, chain_shape, predraft_shape, \
     tree_shape
@@ -177,7 +178,7 @@ def test_a_probe_keeps_the_other_requests_rows_held():
     reqs = [request(i) for i in range(8)]
     for r in reqs:
         r.req = dataclasses.replace(r.req, max_new_tokens=10**6)
-    sched = SimpleNamespace(auto=auto)
+    sched = SimpleNamespace(auto=auto, release_budget=ReleaseBudget())
     probes = 0
     for _ in range(300):
         auto.plan(reqs)
@@ -207,7 +208,7 @@ def test_a_held_request_fetches_its_hidden_states_before_it_drafts():
     from gateway.scheduler import Scheduler
 
     a, b = request(0), request(1)
-    sched = SimpleNamespace(auto=SimpleNamespace(holding={"s0", "s1"}))
+    sched = SimpleNamespace(auto=SimpleNamespace(holding={"s0", "s1"}), release_budget=ReleaseBudget())
     assert not Scheduler._hold_or_release(sched, [a, b]) and a.rows_held and b.rows_held
     a.mode, b.mode = Mode.CHAIN, Mode.OFF   # auto's next plan: a drafts, b stays off but is not held
     sched.auto.holding = set()
@@ -215,6 +216,42 @@ def test_a_held_request_fetches_its_hidden_states_before_it_drafts():
     assert a.mode == Mode.OFF and not a.rows_held and not b.rows_held
     a.mode = Mode.CHAIN
     assert not Scheduler._hold_or_release(sched, [a, b]) and a.mode == Mode.CHAIN
+
+
+def test_held_rows_are_released_within_a_steps_budget_and_a_request_holding_too_many_is_parked():
+    """A verdict that brings held hidden states must stay within the message limit: one step releases
+    at most the budget's rows (the others stay held and run off a step longer), and a request holding
+    more than one request may is parked instead (gateway/release_budget.py). No row size seen yet:
+    nothing is limited."""
+    from types import SimpleNamespace
+
+    from gateway.scheduler import Scheduler
+    from specdec.rpc import common_pb2
+
+    def scheduler(budget):
+        reqs = [request(i) for i in range(4)]
+        for r, n in zip(reqs, (100, 100, 100, 300)):   # the rows each holds: all its tokens (none drafted)
+            r.tokens, r.rows_held, r.mode = list(range(n)), True, Mode.CHAIN
+        parked = []
+        auto = SimpleNamespace(holding=set(), park=parked.extend, hidden_states=True)   # auto now drafts all
+        return reqs, parked, SimpleNamespace(auto=auto, release_budget=budget, held_back=set(),
+                                             active={r.seq_id: r for r in reqs})
+
+    budget = ReleaseBudget(release_bytes=250 * 10, held_bytes=200 * 10)   # 250 rows a step, 200 a request
+    reqs, parked, sched = scheduler(budget)
+    assert Scheduler._hold_or_release(sched, reqs) and not parked   # row size unknown: all released
+    assert not any(r.rows_held for r in reqs) and Scheduler._held_ids(sched) == []
+
+    budget.saw(common_pb2.TensorPayload(dtype="uint8", shape=[3, 10], data=bytes(30)))   # 10 bytes a row
+    reqs, parked, sched = scheduler(budget)
+    assert Scheduler._hold_or_release(sched, reqs)
+    # s0 and s1 released (200 rows), s2 would pass 250: held back, off this step; s3 holds 300 > 200:
+    # parked, its rows held this step (the next one stops them)
+    assert [r.rows_held for r in reqs] == [False, False, True, False] and reqs[2].mode == Mode.OFF
+    assert parked == [reqs[3]] and Scheduler._held_ids(sched) == ["s2", "s3"]
+    reqs[2].mode = Mode.CHAIN
+    Scheduler._hold_or_release(sched, reqs[:3])   # the next step: s2's turn
+    assert not reqs[2].rows_held and Scheduler._held_ids(sched) == []
 
 
 def test_a_prompt_admitted_while_auto_runs_off_is_held_until_its_verdict():
@@ -227,7 +264,7 @@ def test_a_prompt_admitted_while_auto_runs_off_is_held_until_its_verdict():
     opening, open_unheld, running = request(0), request(1), request(2)
     opening.opening = open_unheld.opening = True
     opening.rows_held = True
-    sched = SimpleNamespace(auto=SimpleNamespace(holding={"s2"}, hidden_states=True),
+    sched = SimpleNamespace(auto=SimpleNamespace(holding={"s2"}, hidden_states=True), held_back=set(),
                             active={r.seq_id: r for r in (opening, open_unheld, running)})
     assert Scheduler._held_ids(sched) == ["s0", "s2"]
     opening.opening = False   # its prefill's verdict came: from now on auto's plan decides

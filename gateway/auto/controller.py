@@ -137,13 +137,15 @@ class AutoController:
             self.log.info("auto reopens admissions: speculation would pay for a batch that drafts",
                           batch=batch, steps=self.open_steps)
         else:
-            self._park([self.scout])
+            self.park([self.scout])
 
     def _auto_policies(self) -> list[AutoPolicy]:
         return [p for p in self.policies.values() if isinstance(p, AutoPolicy)]
 
-    def _park(self, running: list[ActiveRequest]) -> None:
-        """Parks requests mid-life (handed to the scheduler by take_parked)."""
+    def park(self, running: list[ActiveRequest]) -> None:
+        """Parks requests mid-life (handed to the scheduler by take_parked): auto's own, and the
+        scheduler's when their held hidden states outgrow what a request may hold
+        (gateway/release_budget.py)."""
         for r in running:
             r.parked, r.scout, r.choice, r.mode = True, False, "off", Mode.OFF
             if r is self.scout:
@@ -178,7 +180,7 @@ class AutoController:
         if settled:
             self.steps_settled += 1
             if not self.was_settled:   # the requests running since before settling, as admit() has it for later ones
-                self._park([r for r in continuing if r.auto and not r.parked])
+                self.park([r for r in continuing if r.auto and not r.parked])
                 self.steps_settled = 0
         self.was_settled = settled
         auto = [r for r in continuing if r.auto and not r.parked]
