@@ -1,4 +1,4 @@
-"""How much of the hidden-state rows the verifier holds for requests auto runs off a step may release.
+"""How many of the hidden-state rows held on the verifier one step may release, and how many one request may hold.
 
 A request that auto runs off has its rows held on the verifier (verifier_svc/held_rows.py) until it
 drafts again; then its next verdict carries all of them (its whole history if it never drafted: a
