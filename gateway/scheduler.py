@@ -63,7 +63,6 @@ class Scheduler:
         self.stop_hidden: list[str] = []   # seq ids whose verdicts should stop carrying hidden states
         self.release_budget = ReleaseBudget()   # how many held hidden-state rows a step may release
         self.held_back: set[str] = set()        # this step: releases put off to a later step (budget)
-        self.released_rows = 0                  # this step: held rows its verdicts bring (at most)
         self.wakeup = asyncio.Event()
         self.step_no = 0
         self.tally = metrics.StepTally(verifier.address)
@@ -173,8 +172,6 @@ class Scheduler:
             # messages, tree packing, verdicts, emission) counts as much as the services' time.
             self.auto.observe_step(time.perf_counter() - started, draft[0], prefilling, len(opens),
                                    len(self.active), carried)
-        elif released and self.released_rows and not (opens or prefilling):
-            self.auto.observe_release(time.perf_counter() - started, self.released_rows)
         # Where a step's time went, one line a step (SPECDEC_LOG_LEVEL=debug; scripts/auto_log_summary.py
         # sums them by what the step did).
         self.log.debug("scheduler step", batch=len(continuing), admitted=len(opens), drafting=len(need),
@@ -198,7 +195,6 @@ class Scheduler:
         step_rows, request_rows = self.release_budget.step_rows(), self.release_budget.request_rows()
         releasing = 0
         self.held_back = set()
-        self.released_rows = 0
         for r in continuing:
             held = len(r.tokens) - r.drafter_len   # the rows the verifier may hold for r, at most
             if r.rows_held and request_rows is not None and held > request_rows:
@@ -215,7 +211,6 @@ class Scheduler:
                 r.rows_held = False   # this step's verdict brings them
                 if r.mode != Mode.OFF and r.draft is None:
                     r.mode, r.choice, released = Mode.OFF, "off", True
-        self.released_rows = releasing
         return released
 
     def _held_ids(self) -> list[str]:

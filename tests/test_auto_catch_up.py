@@ -18,7 +18,6 @@ from test_auto_prefill import controller, request
 
 from gateway.auto.controller import WARMUP_STEPS, draft_family
 from gateway.auto.costs import StepCalibration
-from gateway.auto.policy import OFF, Plan
 from gateway.request import Mode
 
 VERIFY, DRAFT = 0.01, 0.0005            # the test profile's verify and draft seconds (test_auto_prefill)
@@ -95,32 +94,6 @@ def test_a_catch_up_steps_drafts_are_priced_at_what_the_drafts_round_trips_take(
     steady = (VERIFY + 2 * DRAFT) / (VERIFY + DRAFT)   # what a step without a catch-up measures over the model
     assert len(caught_up) >= 3, caught_up
     assert caught_up[1:] == pytest.approx([steady] * (len(caught_up) - 1), abs=0.01), caught_up
-
-
-def test_the_catch_up_after_a_spell_off_and_the_release_before_it_price_a_switch():
-    """What a switch from off costs a token the drafter missed (SwitchCost): the catch-up step's drafts
-    over what drafts without one take, per token beyond a step's worth; then a release step (held rows
-    sent) over off's clean step. A request fresh from its prompt has nothing to catch up (its first feed
-    is its admission's cost)."""
-    from gateway.auto.controller import lag
-
-    auto = controller()
-    r = request(0)
-    r.req = dataclasses.replace(r.req, max_new_tokens=10**6)
-    r.tokens = [*r.req.prompt_ids, 9]                 # its prefill's verdict: the prompt and a first token
-    assert lag(r) == 0
-    for step in range(WARMUP_STEPS + 20):
-        if step == WARMUP_STEPS + 10:
-            r.tokens += [7] * 40    # a spell its drafter missed
-        run_step(auto, r)
-    policy = auto.policies[True]
-    assert policy.switch.per_token == pytest.approx(CATCH_UP, rel=1e-6)
-    policy.last_off = None                          # off not priced yet: the release tells nothing
-    auto.observe_release(0.05, 40)
-    assert policy.switch.per_token == pytest.approx(CATCH_UP, rel=1e-6)
-    policy.last_off = Plan(OFF, [], 0.0, seconds=VERIFY)
-    auto.observe_release(VERIFY + 0.02, 40)          # 0.5 ms a token
-    assert policy.switch.per_token == pytest.approx(0.7 * CATCH_UP + 0.3 * 0.0005)
 
 
 def test_a_catch_up_step_bounds_its_choices_time_without_setting_it():

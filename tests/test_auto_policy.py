@@ -261,40 +261,6 @@ def test_a_request_at_its_last_token_is_not_worth_a_draft():
     assert plan.choice != OFF and plan.speculating == ["r0"]
 
 
-def test_a_switch_from_off_pays_for_catching_the_drafter_up_over_the_steps_left():
-    """Requests that ran off leave their drafter behind; the first steps that draft again feed it all
-    they missed (SwitchCost, learnt per token from those steps). A plan charges it over the steps the
-    requests have left: 8 requests 100 tokens behind at 2 ms a token (1.6 s) with 8 tokens each to go
-    stay off; with 6,000 to go they speculate. Unmeasured (no switch seen) or no lag: nothing charged.
-    Each request is charged its own lag, the cheapest to switch speculating first."""
-    p = policy(profile(memory_bound, cheap_draft))
-    rng = np.random.default_rng(0)
-    ids = [f"r{i}" for i in range(8)]
-    for sid in ids:
-        observe(p, sid, "chain", 0.8, 30, rng)
-    behind, few, many = np.full(8, 100.0), np.full(8, 8.0), np.full(8, 6000.0)
-    assert p.plan(ids, 0, 1, 0.0, remaining=few, lag=behind).choice != OFF   # no switch measured yet
-    p.switch.observe(excess_seconds=0.4, tokens=200)                          # 2 ms a token
-    assert p.switch.per_token == pytest.approx(0.002)
-    assert p.plan(ids, 0, 1, 0.0, remaining=few, lag=behind).choice == OFF
-    assert p.plan(ids, 0, 1, 0.0, remaining=many, lag=behind).choice != OFF
-    assert p.plan(ids, 0, 1, 0.0, remaining=few, lag=np.zeros(8)).choice != OFF
-    # Half fresh from their prompts, half behind: the fresh ones speculate, the others stay off
-    mixed = p.plan(ids, 0, 1, 0.0, remaining=few, lag=np.array([0.0, 100.0] * 4))
-    assert mixed.choice != OFF and mixed.speculating == ids[::2]
-
-
-def test_a_switchs_price_per_token_is_a_running_estimate_of_the_steps_excess():
-    from gateway.auto.switch_cost import SwitchCost
-
-    cost = SwitchCost(weight=0.5)
-    cost.observe(0.3, 0)          # nothing caught up: no sample
-    assert cost.per_token == 0.0
-    cost.observe(0.1, 100)        # 1 ms a token: the first sample stands
-    cost.observe(-0.05, 50)       # a step faster than its price: 0 a token
-    assert cost.per_token == pytest.approx(0.0005)
-
-
 def test_a_lucky_fast_step_does_not_make_drafts_at_zero_acceptance_look_free():
     """On a loaded machine one speculative step can be measured faster than plain ones. A
     speculative step still does all a plain one does and drafts besides, so at zero acceptance off

@@ -57,7 +57,6 @@ class AutoController:
         self.step_drafts: list[list] = []    # per step plan: [expected drafts, accepted drafts, verdicts] (Plan.gains)
         self.steps_seen = 0
         self.catching_up = False   # this step's drafter also takes in tokens committed while a request did not draft
-        self.catch_up_tokens = 0   # of those, the ones of requests that ran without drafting (lag: SwitchCost)
         self.draft_trips = StepCalibration()   # drafts' round trips over the profile's (_price_the_drafts)
         self.holding: set[str] = set()   # this step: seq ids whose hidden states the verifier keeps (see plan)
         self.choice_at: dict[int, Choice] = {}   # batch bucket -> the last plan's choice there (see _plan_group)
@@ -200,9 +199,8 @@ class AutoController:
         # CPU a chain k=1 step went 51 -> 63-91 ms) that must not be read as the choice's step time
         # (observe_step). It was: the probes' slow steps priced chain k=1 above off, so auto stayed
         # off and parked every later request.
-        drafting = [r for r in continuing if r.mode != Mode.OFF and r.draft is None]
-        self.catching_up = any(len(r.tokens) - r.drafter_len > step_width(r.settings, r.mode) for r in drafting)
-        self.catch_up_tokens = sum(lag(r) for r in drafting)
+        self.catching_up = any(len(r.tokens) - r.drafter_len > step_width(r.settings, r.mode)
+                               for r in continuing if r.mode != Mode.OFF and r.draft is None)
 
     def _plan_group(self, group: list[ActiveRequest], overlap_allowed: bool, others: int, other_width: int,
                     other_tokens: float, prefilling: bool) -> None:
@@ -287,16 +285,15 @@ class AutoController:
         limits = np.array([r.req.max_new_tokens for r in group], dtype=np.float64)
         generated = np.array([r.generated for r in group], dtype=np.float64)
         remaining = limits - generated
-        lags = np.array([lag(r) for r in group], dtype=np.float64)
         if isinstance(policy, AutoPolicy):
             policy.lengths.running(generated, limits)
         if not explore:   # off while still learning: redone at the next step that can explore (below)
-            plan = policy.plan(ids, others, other_width, other_tokens, explore=False, remaining=remaining, lag=lags)
+            plan = policy.plan(ids, others, other_width, other_tokens, explore=False, remaining=remaining)
             learning = plan.choice == OFF and not policy.settled_off
             self.plans[overlap_allowed] = CachedPlan(plan, key, 1, set(ids), confirmed=not learning)
             return plan
         steps = cached.age if cached is not None else 1   # steps since the last plan
-        plan = policy.plan(ids, others, other_width, other_tokens, remaining=remaining, steps=steps, lag=lags)
+        plan = policy.plan(ids, others, other_width, other_tokens, remaining=remaining, steps=steps)
         # Kept only once confirmed: a probe, a choice that differs from the last one, or one whose
         # step time at this batch size rests on fewer than three measurements (priced from another
         # size or choice: the policy still learning) is planned again next step - but a choice
@@ -401,9 +398,7 @@ class AutoController:
                 return
             self._price_the_drafts(plan, draft_seconds)
             if self.catching_up:
-                trip = self._draft_trip(plan)
-                policy.switch.observe(draft_seconds - trip, self.catch_up_tokens)
-                seconds += trip - draft_seconds
+                seconds += self._draft_trip(plan) - draft_seconds
             # What the policy expected of this step next to what it took and committed, and the
             # best other speculative plan it weighed (SPECDEC_LOG_LEVEL=debug).
             rival = policy.last_rival
@@ -419,14 +414,6 @@ class AutoController:
                            overhead_ms=round(plan.overhead * 1e3, 2), measured_ms=round(seconds * 1e3, 2),
                            expected_tokens=round(plan.expected_tokens, 2), tokens=self.step_tokens)
             policy.observe_step(plan, seconds, bound=self.catching_up)
-
-    def observe_release(self, seconds: float, tokens: int) -> None:
-        """A step whose verdicts released `tokens` held hidden-state rows (the step before a switch from
-        off drafts): its excess over off's clean step at the last plan is part of what the switch
-        cost (SwitchCost)."""
-        for policy in self._auto_policies():
-            if policy.last_off is not None and policy.last_off.seconds > 0:
-                policy.switch.observe(seconds - policy.last_off.seconds, tokens)
 
     def _price_the_drafts(self, plan: Plan, draft_seconds: float) -> None:
         """A clean step whose requests all drafted before the verify (no overlap) and without
@@ -459,14 +446,6 @@ class AutoController:
         self.book.forget(r.seq_id)
         if r is self.scout:   # ended before (or right after) its probe: the next admission may scout
             self.scout = None
-
-
-def lag(r: ActiveRequest) -> int:
-    """Tokens r's drafter has yet to take in beyond a step's worth: what it ran without drafting (0
-    for a request fresh from its prefill, whose first feed its admission's overhead prices)."""
-    if r.generated <= 1:
-        return 0
-    return max(0, len(r.tokens) - r.drafter_len - step_width(r.settings, r.mode))
 
 
 def step_width(s: SpecSettings, mode: Mode) -> int:

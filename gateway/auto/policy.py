@@ -47,7 +47,6 @@ import numpy as np
 from gateway.auto.acceptance import AcceptanceBook, TokenCalibration
 from gateway.auto.costs import CostModel, RequestLengths, StepCalibration, StepOverheads
 from gateway.auto.occupancy import Vacancies, occupancy
-from gateway.auto.switch_cost import SwitchCost
 from gateway.request import Mode
 from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, chain_shape, predraft_shape, tree_shape
 
@@ -150,7 +149,6 @@ class AutoPolicy:
         self.overheads = StepOverheads()
         self.lengths = RequestLengths()
         self.vacancies = Vacancies()
-        self.switch = SwitchCost()
         self.min_observations, self.min_measured = min_observations, min_measured
         self.challenge_every, self.challenge_within = challenge_every, challenge_within
         self.plans_since_challenge = 0
@@ -165,8 +163,7 @@ class AutoPolicy:
         self.last_rival: Plan | None = None   # the best speculative plan besides the last choice (logged)
 
     def plan(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
-             explore: bool = True, remaining: np.ndarray | None = None, steps: int = 1,
-             lag: np.ndarray | None = None) -> Plan:
+             explore: bool = True, remaining: np.ndarray | None = None, steps: int = 1) -> Plan:
         """seq_ids: the auto requests of this step; others: the step's other sequences (fixed
         modes), the widest draft among them and the tokens they are expected to commit.
         remaining: [len(seq_ids)] tokens each request may still generate (a draft cannot gain more
@@ -177,14 +174,13 @@ class AutoPolicy:
         there on a borrowed estimate would never be measured, and each wave's ramp would try it
         again (the H200 sweep: trees chosen while 32 prompts prefilled, 0.88x of off).
         steps: the steps since the last plan (a caller that keeps a plan for several steps); the
-        intervals between probes count steps. lag: [len(seq_ids)] tokens each request's drafter
-        has yet to take in (a switch from off: SwitchCost prices catching it up)."""
+        intervals between probes count steps."""
         if not explore:
-            return self._plan_measured(seq_ids, others, other_width, other_tokens, remaining, lag)
+            return self._plan_measured(seq_ids, others, other_width, other_tokens, remaining)
         probe = self._probe_choice()
         if seq_ids and probe is not None and self.book.drafter_observations("chain") < self.min_observations:
             return self._probe(probe, seq_ids, others)   # a new drafter: measure it cheaply first
-        scored = self._scored(self.choices, seq_ids, others, other_width, other_tokens, remaining, lag=lag)
+        scored = self._scored(self.choices, seq_ids, others, other_width, other_tokens, remaining)
         best = self._best(scored)
         self.current = best.choice
         self.plans_since_challenge += 1
@@ -194,7 +190,7 @@ class AutoPolicy:
             # transient, perhaps) must not keep a whole kind from ever running here again.
             rival_choices = [c for c in self.choices if c != OFF and c.family != best.choice.family]
             rivals = [p for p in self._scored(rival_choices, seq_ids, others, other_width, other_tokens, remaining,
-                                              optimistic=True, lag=lag)
+                                              optimistic=True)
                       if p.tokens_per_second >= (1 - self.challenge_within) * best.tokens_per_second]
             if rivals:   # one step, not kept (like a probe)
                 # The family challenged longest ago goes first, so each close family gets its turns
@@ -217,18 +213,17 @@ class AutoPolicy:
         return best
 
     def _plan_measured(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
-                       remaining: np.ndarray | None, lag: np.ndarray | None = None) -> Plan:
+                       remaining: np.ndarray | None) -> Plan:
         batch = len(seq_ids) + others
         choices = [c for c in self.choices if self.measured(c, batch)]
-        return self._best(self._scored(choices, seq_ids, others, other_width, other_tokens, remaining, lag=lag))
+        return self._best(self._scored(choices, seq_ids, others, other_width, other_tokens, remaining))
 
     def measured(self, c: Choice, batch: int) -> bool:
         """Off, or a choice whose step time at this batch size rests on measurements of its own."""
         return c == OFF or self.calibration.measured(c.name, batch) >= self.min_measured
 
     def _scored(self, choices: list[Choice], seq_ids: list[str], others: int, other_width: int,
-                other_tokens: float, remaining: np.ndarray | None, optimistic: bool = False,
-                lag: np.ndarray | None = None) -> list[Plan]:
+                other_tokens: float, remaining: np.ndarray | None, optimistic: bool = False) -> list[Plan]:
         # Per family, once: [n, positions] cumulative products (P(positions 1..j all accepted)) and
         # their running sums (expected accepted drafts of a depth-j draft): each choice reads a column.
         prefix = {}
@@ -238,11 +233,7 @@ class AutoPolicy:
             if remaining is not None:   # the step commits one token anyway; drafts add at most the rest
                 gains = np.minimum(gains, np.maximum(remaining - 1, 0)[:, None])
             prefix[f] = (gains, accepted_through)
-        # A switch's catch-up (SwitchCost), priced where requests lag and a switch was measured
-        switch = None
-        if lag is not None and remaining is not None and self.switch.per_token > 0 and lag.any():
-            switch = (lag, remaining)
-        return [self._score(c, seq_ids, others, other_width, other_tokens, prefix.get(c.family), optimistic, switch)
+        return [self._score(c, seq_ids, others, other_width, other_tokens, prefix.get(c.family), optimistic)
                 for c in choices]
 
     def _best(self, scored: list[Plan]) -> Plan:
@@ -334,12 +325,10 @@ class AutoPolicy:
                     model_seconds=self._seconds(c, batch, 1, c.width, np.zeros(1)))
 
     def _score(self, c: Choice, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
-               prefix: tuple[np.ndarray, np.ndarray] | None, optimistic: bool = False,
-               switch: tuple[np.ndarray, np.ndarray] | None = None) -> Plan:
+               prefix: tuple[np.ndarray, np.ndarray] | None, optimistic: bool = False) -> Plan:
         """prefix: for c's family, the requests' expected accepted drafts by depth and their
         probabilities of accepting a whole draft of each depth ([n, positions] each); optimistic:
-        c's step time as StepCalibration.ratio(optimistic=True) prices it; switch: each request's lag
-        and remaining tokens [n] (see _scored)."""
+        c's step time as StepCalibration.ratio(optimistic=True) prices it."""
         batch = len(seq_ids) + others
         if c == OFF or not seq_ids:
             seconds = self.costs.verify(batch, max(1, other_width))
@@ -352,16 +341,6 @@ class AutoPolicy:
         gain = raw if optimistic else raw * self.tokens.ratio
         full = prefix[1][:, c.positions - 1]                           # [n]
         order = np.argsort(-gain)
-        charged = None
-        if switch is not None:
-            # Each request's catch-up over the steps it has left (its remaining tokens at one plus its
-            # expected accepted drafts a step), in seconds a step; the requests cheapest to switch come
-            # first, so those fresh from their prompts speculate without the whole batch's backlog (as one
-            # sum over the batch, it kept auto off at C = 16 in the stand-ins: 0.94x of off, chain 1.21x).
-            lag, remaining = switch
-            charge = self.switch.per_token * lag / np.maximum(1.0, remaining / (1.0 + raw))   # [n]
-            order = np.lexsort((-gain, charge))
-            charged = np.cumsum(charge[order])                        # [n] of the first i + 1
         ratio = self.calibration.ratio(c.kind, c.name, c.width, batch, optimistic)
         # A speculative step does all that a plain one does and drafts besides, so it is never priced
         # below that (plus the draft, unless overlap hides it): a calibration resting on one lucky
@@ -378,8 +357,6 @@ class AutoPolicy:
             floor = off + (0.0 if c.overlap else self.costs.draft(n, c.draft_shape))
             step = max(seconds * ratio, floor)
             overhead = self._overhead(True, batch, tokens)
-            if charged is not None:
-                overhead += float(charged[n - 1])
             tps = tokens / (step + overhead) * self._occupancy(batch, tokens)
             if tps > best[0]:
                 best = (tps, n, seconds, tokens, step, overhead)
@@ -413,8 +390,7 @@ class CyclingPolicy:
         self.choices, self.step = choices, 0
 
     def plan(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
-             explore: bool = True, remaining: np.ndarray | None = None, steps: int = 1,
-             lag: np.ndarray | None = None) -> Plan:
+             explore: bool = True, remaining: np.ndarray | None = None, steps: int = 1) -> Plan:
         choice = self.choices[self.step % len(self.choices)]
         self.step += 1
         return Plan(choice, [] if choice == OFF else list(seq_ids), 0.0)
