@@ -152,9 +152,9 @@ class Eagle3Graphs:
         gn = next((x for x in self.pair_lens if n <= x <= room and (1, x) in self.pairs_captured), None)
         if gn is None:
             return None
-        rows = max(bb for bb, x in self.pairs_captured if x == gn)
-        if b <= rows:
+        if (self._bucket(b), gn) in self.pairs_captured:   # the usual step: one graph holds it
             return self._replay_pairs(gn, tokens, hidden, start, lengths, slots)
+        rows = max(bb for bb, x in self.pairs_captured if x == gn)
         # a chunk's outputs are the graph's static buffers, which the next chunk's replay may reuse
         parts = [tuple(o.clone() for o in self._replay_pairs(gn, *(t[i:i + rows] for t in
                                                                   (tokens, hidden, start, lengths, slots))))

@@ -56,13 +56,11 @@ def pass_tokens(costs: list[StepCost]) -> float:
     steps are largest (the largest batch profiled, its widest width against its narrowest). The
     engine weighs folding prompt chunks into a wider verify forward with it (fold_width).
     0 when the profile cannot tell (too few entries, or no growth with tokens)."""
-    seconds = {(c.shape, c.batch): c.seconds for c in costs if c.shape.startswith("verify:")}
-    if ("verify:1", 1) not in seconds:
+    seconds = {(int(c.shape.removeprefix("verify:")), c.batch): c.seconds for c in costs
+               if c.shape.startswith("verify:")}                          # (width, batch) -> seconds
+    if (1, 1) not in seconds:
         return 0.0
     top = max(b for _, b in seconds)
-    widths = sorted(int(shape.split(":")[1]) for shape, b in seconds if b == top)
-    lo, hi = widths[0], widths[-1]
-    if hi == lo:
-        return 0.0
-    per_token = (seconds[(f"verify:{hi}", top)] - seconds[(f"verify:{lo}", top)]) / (top * (hi - lo))
-    return seconds[("verify:1", 1)] / per_token if per_token > 0 else 0.0
+    lo, hi = min(w for w, b in seconds if b == top), max(w for w, b in seconds if b == top)
+    per_token = (seconds[(hi, top)] - seconds[(lo, top)]) / (top * (hi - lo)) if hi > lo else 0.0
+    return seconds[(1, 1)] / per_token if per_token > 0 else 0.0
