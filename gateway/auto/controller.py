@@ -57,6 +57,7 @@ class AutoController:
         self.step_drafts: list[list] = []    # per step plan: [expected drafts, accepted drafts, verdicts] (Plan.gains)
         self.steps_seen = 0
         self.catching_up = False   # this step's drafter also takes in tokens committed while a request did not draft
+        self.switching = False     # ... of a request that had generated tokens without drafting (RealizedRates)
         self.draft_trips = StepCalibration()   # drafts' round trips over the profile's (_price_the_drafts)
         self.holding: set[str] = set()   # this step: seq ids whose hidden states the verifier keeps (see plan)
         self.choice_at: dict[int, Choice] = {}   # batch bucket -> the last plan's choice there (see _plan_group)
@@ -171,7 +172,7 @@ class AutoController:
         self.steps_planned += 1
         self.step_plans, self.step_drafts = [], []
         self.step_running = len(continuing)
-        self.catching_up = False
+        self.catching_up = self.switching = False
         self.holding = set()
         self.step_tokens = self.step_requests = 0
         self._flush_verdicts()
@@ -199,8 +200,12 @@ class AutoController:
         # CPU a chain k=1 step went 51 -> 63-91 ms) that must not be read as the choice's step time
         # (observe_step). It was: the probes' slow steps priced chain k=1 above off, so auto stayed
         # off and parked every later request.
-        self.catching_up = any(len(r.tokens) - r.drafter_len > step_width(r.settings, r.mode)
-                               for r in continuing if r.mode != Mode.OFF and r.draft is None)
+        lagging = [r for r in continuing if r.mode != Mode.OFF and r.draft is None
+                   and len(r.tokens) - r.drafter_len > step_width(r.settings, r.mode)]
+        self.catching_up = bool(lagging)
+        # Of those, requests that ran without drafting after their first token: a switch's one-off
+        # (a prompt's own catch-up comes with every admission, and is part of what speculating costs).
+        self.switching = any(r.generated > 1 for r in lagging)
 
     def _plan_group(self, group: list[ActiveRequest], overlap_allowed: bool, others: int, other_width: int,
                     other_tokens: float, prefilling: bool) -> None:
@@ -232,7 +237,8 @@ class AutoController:
                               off_tokens_per_second=round(off.tokens_per_second, 1) if off else None,
                               off_step_ms=round(off.seconds * 1e3, 2) if off else None,
                               off_overhead_ms=round(off.overhead * 1e3, 2) if off else None,
-                              overhead_ms=round(plan.overhead * 1e3, 2),
+                              overhead_ms=round(plan.overhead * 1e3, 2), realized=round(plan.realized, 3),
+                              off_realized=round(off.realized, 3) if off else None,
                               vacancy_steps=(round(policy.vacancies.steps(), 2)
                                              if isinstance(policy, AutoPolicy) else None),
                               request_ids=sorted({r.req.request_id for r in group})[:16])
@@ -368,7 +374,9 @@ class AutoController:
         first allocations. Where a drafter caught up (see `plan`), the step's drafts count as steps without a
         catch-up take them (_draft_trip), the rest of the step (the verify, the hops) as measured, and the step
         only bounds its choice's time from above (StepCalibration); the overhead keeps the drafts whole unless
-        the step was a probe (a prompt's catch-up comes with every request that drafts)."""
+        the step was a probe (a prompt's catch-up comes with every request that drafts). Every step under one
+        plan, prompts or not, also counts toward what its kind delivers (RealizedRates), unless it switched
+        requests that ran off into drafting."""
         self.steps_seen += 1
         warm = self.steps_seen > WARMUP_STEPS
         if admitted:
@@ -378,6 +386,7 @@ class AutoController:
                and isinstance(self.step_plans[0][0], AutoPolicy) else None)
         for policy in self._auto_policies():
             policy.overheads.tick()
+            policy.realized.tick()
             if one is not None and policy is one[0]:
                 policy.observe_overhead(one[1], seconds, admitted, prefilling, active, carried)
             elif warm and not self.step_running and (admitted or prefilling):   # prompts and nothing else
@@ -386,6 +395,8 @@ class AutoController:
                 policy.overheads.skip(admitted)
         if one is not None:
             policy, plan, _ = one
+            if not self.switching:
+                policy.observe_realized(plan, seconds, self.step_tokens)
             if prefilling or admitted:
                 # What such a step took over the clean time it was priced at, per prompt it
                 # admitted, next to the figure the policy charges a prompt (StepOverheads).
@@ -412,7 +423,8 @@ class AutoController:
                            speculating=len(plan.speculating), probe=plan.probe, caught_up=self.catching_up,
                            model_ms=round(plan.model_seconds * 1e3, 2), expected_ms=round(plan.seconds * 1e3, 2),
                            overhead_ms=round(plan.overhead * 1e3, 2), measured_ms=round(seconds * 1e3, 2),
-                           expected_tokens=round(plan.expected_tokens, 2), tokens=self.step_tokens)
+                           realized=round(plan.realized, 3), expected_tokens=round(plan.expected_tokens, 2),
+                           tokens=self.step_tokens)
             policy.observe_step(plan, seconds, bound=self.catching_up)
 
     def _price_the_drafts(self, plan: Plan, draft_seconds: float) -> None:

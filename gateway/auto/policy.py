@@ -20,7 +20,9 @@ contention on a shared GPU), plus what the kind's steps (off, speculating) take 
 time per prompt they admit (StepOverheads) times the prompts the choice admits a step: a choice
 that commits more tokens a request ends requests, and admits the next prompts, sooner (RequestLengths).
 tokens(c) / time(c) is then scaled by the share of the batch c keeps filled where each ending leaves
-its slot empty until the next admission (gateway/auto/occupancy.py). A
+its slot empty until the next admission (gateway/auto/occupancy.py), and by what its kind's steps
+(off, speculating) delivered at this batch size against what their plans expected
+(gateway/auto/realized.py): the parts' errors, summed, as the running service meets them. A
 request speculates only while its expected gain pays for its share of the draft step. Speculation
 must beat off by `speculation_margin`: the best of several noisy estimates is more often
 overestimated than not, and a speculative step has costs no step time shows (requests that end
@@ -47,6 +49,7 @@ import numpy as np
 from gateway.auto.acceptance import AcceptanceBook, TokenCalibration
 from gateway.auto.costs import CostModel, RequestLengths, StepCalibration, StepOverheads
 from gateway.auto.occupancy import Vacancies, occupancy
+from gateway.auto.realized import RealizedRates
 from gateway.request import Mode
 from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, chain_shape, predraft_shape, tree_shape
 
@@ -124,6 +127,7 @@ class Plan:
     overhead: float = 0.0           # what its steps are expected to take over that (admissions x cost each)
     gains: dict[str, float] = dataclasses.field(default_factory=dict)   # speculating seq id -> its expected
     #                                 accepted drafts before the TokenCalibration (what that calibration measures)
+    realized: float = 1.0           # the RealizedRates ratio its tokens_per_second was scaled by
 
     @property
     def expected_seconds(self) -> float:
@@ -149,6 +153,7 @@ class AutoPolicy:
         self.overheads = StepOverheads()
         self.lengths = RequestLengths()
         self.vacancies = Vacancies()
+        self.realized = RealizedRates()
         self.min_observations, self.min_measured = min_observations, min_measured
         self.challenge_every, self.challenge_within = challenge_every, challenge_within
         self.plans_since_challenge = 0
@@ -278,6 +283,17 @@ class AutoPolicy:
         c = plan.choice
         self.calibration.observe(c.kind, c.name, c.width, plan.batch, seconds, plan.model_seconds, bound)
 
+    def observe_realized(self, plan: Plan, seconds: float, tokens: float) -> None:
+        """A step (admissions and prefills included) that ran `plan` for the whole batch: `seconds`
+        and the tokens it committed, against the rate the plan expected before RealizedRates scaled
+        it. A probe or challenge (priced to be tried, not to be right) is left out, and so is a choice
+        whose step time here is not yet its own: its first steps' errors are StepCalibration's to
+        correct, and counted here they would hold every choice of the kind down (a tree tried
+        once at three times its price held chains at 0.7 of theirs in a closed-loop simulation)."""
+        if not plan.probe and self.measured(plan.choice, plan.batch):
+            self.realized.observe(plan.choice != OFF, plan.batch, plan.tokens_per_second / plan.realized,
+                                  seconds, tokens)
+
     def observe_tokens(self, plan: Plan, expected: float, accepted: float, verdicts: int) -> None:
         """The verdicts of `verdicts` requests that `plan` made speculate: the drafts it expected of them
         (Plan.gains) and those accepted. A probe or challenge (priced to be tried, not to be right) is
@@ -335,8 +351,10 @@ class AutoPolicy:
             calibrated = seconds * self.calibration.ratio(OFF.kind, OFF.name, OFF.width, batch)
             tokens = len(seq_ids) + other_tokens
             overhead = self._overhead(False, batch, tokens)
-            return Plan(OFF, [], tokens / (calibrated + overhead) * self._occupancy(batch, tokens), batch=batch,
-                        model_seconds=seconds, expected_tokens=tokens, seconds=calibrated, overhead=overhead)
+            realized = self.realized.ratio(False, batch)
+            return Plan(OFF, [], tokens / (calibrated + overhead) * self._occupancy(batch, tokens) * realized,
+                        batch=batch, model_seconds=seconds, expected_tokens=tokens, seconds=calibrated,
+                        overhead=overhead, realized=realized)
         raw = prefix[0][:, c.positions - 1]                            # [n] E - 1
         gain = raw if optimistic else raw * self.tokens.ratio
         full = prefix[1][:, c.positions - 1]                           # [n]
@@ -361,8 +379,10 @@ class AutoPolicy:
             if tps > best[0]:
                 best = (tps, n, seconds, tokens, step, overhead)
         tps, n, seconds, tokens, step, overhead = best
-        return Plan(c, [seq_ids[i] for i in order[:n]], tps, batch=batch, model_seconds=seconds, expected_tokens=tokens,
-                    seconds=step, overhead=overhead, gains={seq_ids[i]: float(raw[i]) for i in order[:n]})
+        realized = self.realized.ratio(True, batch)
+        return Plan(c, [seq_ids[i] for i in order[:n]], tps * realized, batch=batch, model_seconds=seconds,
+                    expected_tokens=tokens, seconds=step, overhead=overhead,
+                    gains={seq_ids[i]: float(raw[i]) for i in order[:n]}, realized=realized)
 
     def _seconds(self, c: Choice, batch: int, drafting: int, width: int, full_accept: np.ndarray | None) -> float:
         """The model's seconds for one step: the verify and what the step waits for drafting."""

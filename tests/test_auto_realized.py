@@ -1,0 +1,97 @@
+"""`--mode auto` scales each plan by what its kind's steps (off, speculating) delivered at that batch size
+against what their plans expected (gateway/auto/realized.py): on the H100 at C = 64 (8B, a = 0.8) the
+parts priced chain k=2 at ~4,600 tok/s and off at ~4,000; the speculating spells delivered ~3,500 and
+mode off ran 4,400, and auto ran at 0.83x of off."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from test_auto_policy import cheap_draft, memory_bound, observe, policy, profile
+from test_auto_prefill import controller, request
+
+from gateway.auto.controller import WARMUP_STEPS
+from gateway.auto.policy import OFF
+from gateway.auto.realized import RealizedRates
+from gateway.request import Mode
+
+
+def test_a_kinds_ratio_is_what_it_delivered_shrunk_toward_the_model_while_thin_and_fading_with_age():
+    r = RealizedRates(half_life=100, prior_seconds=0.25)
+    assert r.ratio(True, 32) == 1.0                                   # nothing measured: the model's figure
+    r.observe(True, 32, expected_rate=1000.0, seconds=0.25, tokens=175.0)   # 70% of what was expected
+    assert r.ratio(True, 32) == pytest.approx(0.85)                   # half-way: 0.25 s against the prior's
+    for _ in range(9):
+        r.observe(True, 30, 1000.0, 0.25, 175.0)                      # 30 shares 32's bucket
+    assert r.ratio(True, 32) == pytest.approx(1 - 0.3 * 2.5 / 2.75)
+    assert r.ratio(False, 32) == 1.0 and r.ratio(True, 64) == 1.0     # each kind and bucket apart
+    r.observe(False, 32, 1000.0, 0.5, 550.0)
+    assert r.ratio(False, 32) == pytest.approx(1 + 0.1 * 0.5 / 0.75)
+    for _ in range(100):                                              # a half-life of other steps
+        r.tick()
+    assert r.ratio(True, 32) == pytest.approx(1 - 0.3 * 1.25 / 1.5)   # the evidence weighs half
+    r.observe(True, 32, 0.0, 0.1, 5.0)                                # a plan priced at nothing: no evidence
+    assert r.ratio(True, 32) == pytest.approx(1 - 0.3 * 1.25 / 1.5)
+
+
+def test_the_policy_follows_what_each_kind_delivered_over_what_its_parts_priced():
+    p = policy(profile(memory_bound, cheap_draft))
+    rng = np.random.default_rng(0)
+    ids = [f"r{i}" for i in range(32)]
+    for sid in ids:
+        observe(p, sid, "chain", 0.8, 20, rng)
+    plan = p.plan(ids, 0, 1, 0.0)
+    assert plan.choice != OFF and plan.realized == 1.0
+    p.observe_realized(plan, 0.1, 1.0)                     # its step time not yet its own: no evidence
+    p.observe_realized(dataclasses.replace(plan, probe=True), 0.1, 1.0)
+    assert not p.realized.sums
+    for _ in range(3):   # its step time measured as the profile has it: the parts stand by it
+        p.observe_step(plan, plan.model_seconds)
+    off = p.last_off
+    assert plan.tokens_per_second > 1.5 * off.tokens_per_second
+    # But its steps, admissions and all, delivered half of off's rate; off's, what off's plan said.
+    share = 0.5 * off.tokens_per_second / plan.tokens_per_second
+    for _ in range(40):
+        p.observe_realized(plan, 0.1, share * plan.tokens_per_second * 0.1)
+        p.observe_realized(off, 0.1, off.tokens_per_second * 0.1)
+    again = p.plan(ids, 0, 1, 0.0)
+    assert again.choice == OFF, again
+    rival = p.last_rival
+    assert rival.realized == pytest.approx(1 - (1 - share) * 4 / 4.25)
+    assert again.tokens_per_second == pytest.approx(off.tokens_per_second)
+    # A scaled plan's steps are compared with its rate before the scaling: delivering what the
+    # scaled plan said is evidence of that same ratio, not of 1 (no feedback on its own correction).
+    p.realized = RealizedRates()
+    p.observe_realized(rival, 0.1, rival.tokens_per_second * 0.1)
+    _, tokens, expected, _ = p.realized.sums[(True, 32)]
+    assert tokens / expected == pytest.approx(rival.realized)
+
+
+def test_a_switchs_catch_up_is_not_evidence_but_a_new_prompts_is():
+    """A request that ran off for a while and drafts again has the drafter catch up on every token
+    since: a switch's one-off, left out. A new request's first draft (its prompt's catch-up) comes
+    with every admission: part of what speculating costs."""
+    auto = controller()
+    warm = request(9)
+    for _ in range(WARMUP_STEPS):
+        auto.plan([warm])
+        auto.observe_step(0.01)
+    prompt = list(range(40))
+    fresh, back = request(0), request(1)
+    for r in (fresh, back):
+        r.req = dataclasses.replace(r.req, prompt_ids=prompt, max_new_tokens=10**6)
+    fresh.tokens = prompt + [7]                  # its prefill's token; the drafter has seen nothing yet
+    back.tokens = prompt + [7] * 30              # 30 tokens run off; its drafter still at the prompt
+    back.drafter_len = len(prompt)
+    policy = auto.policies[True]
+    evidence = []
+    policy.observe_realized = lambda plan, seconds, tokens: evidence.append(plan.choice.name)
+    for r, switching in ((fresh, False), (back, True)):
+        evidence.clear()
+        auto.plan([r])
+        assert r.mode != Mode.OFF                # a new drafter is probed first
+        assert auto.catching_up and auto.switching == switching
+        auto.observe_step(0.02)
+        assert evidence == ([] if switching else [r.choice])
