@@ -167,7 +167,9 @@ class Scheduler:
         predraft = await predrafts if predrafts is not None else (0.0, 0.0)
         waited = time.perf_counter() - started   # for the drafts, then the verify (and pre-drafts)
         committed = self._apply_verdicts(verdicts)
-        if self.auto is not None and (continuing or opens or prefilling) and not released:
+        if self.auto is not None and released:
+            self.auto.observe_release(time.perf_counter() - started)
+        elif self.auto is not None and (continuing or opens or prefilling):
             # The whole step after the plan: what the gateway does per step for a choice (draft
             # messages, tree packing, verdicts, emission) counts as much as the services' time.
             self.auto.observe_step(time.perf_counter() - started, draft[0], prefilling, len(opens),

@@ -57,7 +57,6 @@ class AutoController:
         self.step_drafts: list[list] = []    # per step plan: [expected drafts, accepted drafts, verdicts] (Plan.gains)
         self.steps_seen = 0
         self.catching_up = False   # this step's drafter also takes in tokens committed while a request did not draft
-        self.switching = False     # ... of a request that had generated tokens without drafting (RealizedRates)
         self.draft_trips = StepCalibration()   # drafts' round trips over the profile's (_price_the_drafts)
         self.holding: set[str] = set()   # this step: seq ids whose hidden states the verifier keeps (see plan)
         self.choice_at: dict[int, Choice] = {}   # batch bucket -> the last plan's choice there (see _plan_group)
@@ -172,7 +171,7 @@ class AutoController:
         self.steps_planned += 1
         self.step_plans, self.step_drafts = [], []
         self.step_running = len(continuing)
-        self.catching_up = self.switching = False
+        self.catching_up = False
         self.holding = set()
         self.step_tokens = self.step_requests = 0
         self._flush_verdicts()
@@ -200,12 +199,8 @@ class AutoController:
         # CPU a chain k=1 step went 51 -> 63-91 ms) that must not be read as the choice's step time
         # (observe_step). It was: the probes' slow steps priced chain k=1 above off, so auto stayed
         # off and parked every later request.
-        lagging = [r for r in continuing if r.mode != Mode.OFF and r.draft is None
-                   and len(r.tokens) - r.drafter_len > step_width(r.settings, r.mode)]
-        self.catching_up = bool(lagging)
-        # Of those, requests that ran without drafting after their first token: a switch's one-off
-        # (a prompt's own catch-up comes with every admission, and is part of what speculating costs).
-        self.switching = any(r.generated > 1 for r in lagging)
+        self.catching_up = any(len(r.tokens) - r.drafter_len > step_width(r.settings, r.mode)
+                               for r in continuing if r.mode != Mode.OFF and r.draft is None)
 
     def _plan_group(self, group: list[ActiveRequest], overlap_allowed: bool, others: int, other_width: int,
                     other_tokens: float, prefilling: bool) -> None:
@@ -375,15 +370,13 @@ class AutoController:
         catch-up take them (_draft_trip), the rest of the step (the verify, the hops) as measured, and the step
         only bounds its choice's time from above (StepCalibration); the overhead keeps the drafts whole unless
         the step was a probe (a prompt's catch-up comes with every request that drafts). Every step under one
-        plan, prompts or not, also counts toward what its kind delivers (RealizedRates), unless it switched
-        requests that ran off into drafting."""
+        plan, prompts, catch-ups and all, also counts toward what its kind delivers (RealizedRates)."""
         self.steps_seen += 1
         warm = self.steps_seen > WARMUP_STEPS
         if admitted:
             for policy in self._auto_policies():
                 policy.vacancies.admitted(self.steps_planned, admitted, into_empty=not self.step_running)
-        one = (self.step_plans[0] if warm and len(self.step_plans) == 1 and not self.step_plans[0][2]
-               and isinstance(self.step_plans[0][0], AutoPolicy) else None)
+        one = self._one_plan()
         for policy in self._auto_policies():
             policy.overheads.tick()
             policy.realized.tick()
@@ -395,8 +388,7 @@ class AutoController:
                 policy.overheads.skip(admitted)
         if one is not None:
             policy, plan, _ = one
-            if not self.switching:
-                policy.observe_realized(plan, seconds, self.step_tokens)
+            policy.observe_realized(plan, seconds, self.step_tokens)
             if prefilling or admitted:
                 # What such a step took over the clean time it was priced at, per prompt it
                 # admitted, next to the figure the policy charges a prompt (StepOverheads).
@@ -426,6 +418,25 @@ class AutoController:
                            realized=round(plan.realized, 3), expected_tokens=round(plan.expected_tokens, 2),
                            tokens=self.step_tokens)
             policy.observe_step(plan, seconds, bound=self.catching_up)
+
+    def observe_release(self, seconds: float) -> None:
+        """A step that ran requests off against the plan, for their held hidden states to reach the drafter
+        (the scheduler's _hold_or_release): no measure of any choice, but part of a switch's price, which the
+        kind switched to pays (RealizedRates). Left out, with the catch-up after it, the switches from off to
+        chain k=4 at C = 64 on the H100 (~250 ms each at 64 requests) cost nothing: auto flapped between the
+        two every few steps, at 0.81x of off, while each kind's own steps delivered more than expected."""
+        self.steps_seen += 1
+        one = self._one_plan()
+        for policy in self._auto_policies():
+            policy.realized.tick()
+        if one is not None:
+            one[0].observe_realized(one[1], seconds, self.step_tokens)
+
+    def _one_plan(self) -> tuple | None:
+        """This step's (policy, plan, others) where one auto plan ran the whole batch, past the warm-up."""
+        if self.steps_seen > WARMUP_STEPS and len(self.step_plans) == 1 and not self.step_plans[0][2]:
+            return self.step_plans[0] if isinstance(self.step_plans[0][0], AutoPolicy) else None
+        return None
 
     def _price_the_drafts(self, plan: Plan, draft_seconds: float) -> None:
         """A clean step whose requests all drafted before the verify (no overlap) and without

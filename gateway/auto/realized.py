@@ -11,8 +11,12 @@ of off; its speculating spells delivered ~3,500 and mode off ran 4,400, so auto 
 `RealizedRates` keeps, per kind and batch bucket, the tokens that steps committed against the
 tokens their plans' expected rate promised over the same seconds (every step run under one plan,
 admissions and prefills included: that is where the parts miss), and the policy scales each
-plan's expected rate by that ratio. A drafter's catch-up after a spell without drafts is left out
-(a one-off paid on switching, not a rate of the spell). The evidence shrinks toward the model's
+plan's expected rate by that ratio. A switch from off is charged to the kind switched to: the
+step that runs requests off while their held hidden states travel, and the drafter's catch-up on
+them after (~250 ms together at 64 requests on the H100). So switches are priced over the spells
+auto really runs: when it flaps, each short spell carries a whole switch, and speculation's ratio
+falls until it stops (auto flapped at C = 64 between off and chain k=4, each kind's own steps
+delivering more than expected, and ran at 0.81x of off). The evidence shrinks toward the model's
 own figure (ratio 1) while it is thin, and its weight halves every `half_life` steps, so a kind
 that lost at a batch size is tried there again, rarely, once the load or the costs may have
 changed.
