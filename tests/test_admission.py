@@ -92,6 +92,7 @@ class Auto:
     def __init__(self) -> None:
         self.steps: list[tuple[int, int, int]] = []   # (step number, prompts admitted, batch after them)
         self.carried: list[int] = []                  # prompts that earlier steps admitted, still prefilling
+        self.releases: list[int] = []                 # steps that ran requests off to release held rows
 
     def plan(self, continuing, prefilling) -> None:
         pass
@@ -102,6 +103,9 @@ class Auto:
     def observe_step(self, seconds, draft_seconds, prefilling, admitted, active, carried) -> None:
         self.steps.append((self.sched.step_no, admitted, active))
         self.carried.append(carried)
+
+    def observe_release(self, seconds) -> None:
+        self.releases.append(self.sched.step_no)
 
     def observe_verdict(self, *args) -> None:
         pass
@@ -182,6 +186,22 @@ def test_the_scheduler_tells_auto_how_many_earlier_prompts_a_step_still_prefille
     asyncio.run(admitted_at(AT_ONCE, running=8, arrivals={1: 2, 2: 3}, steps=4, auto=auto, prefill_steps=2))
     assert auto.steps == [(1, 8, 8), (2, 2, 10), (3, 3, 13), (4, 0, 13), (5, 0, 13)]
     assert auto.carried == [0, 8, 2, 3, 0]
+
+
+def test_a_step_that_releases_held_rows_is_reported_as_a_release_not_as_a_choices_step():
+    """A step that runs requests off against the plan while their held hidden states travel measures no
+    choice, but it is part of a switch's price, which auto charges to the kind switched to (RealizedRates)."""
+    auto = Auto()
+    auto.hidden_states = True
+    sched = Scheduler(Verifier(), 128, set(), auto=auto)
+    auto.sched = sched
+    sched._hold_or_release = lambda continuing: sched.step_no == 3
+    for i in range(4):
+        sched.submit(request(i))
+    for _ in range(4):
+        asyncio.run(sched._step())
+    assert auto.releases == [3]
+    assert [step for step, *_ in auto.steps] == [1, 2, 4]
 
 
 def test_the_scheduler_learns_a_hidden_state_rows_size_from_the_verdicts():
