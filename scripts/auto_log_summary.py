@@ -157,13 +157,15 @@ class BucketChoice:
     steps: int = 0               # measured steps that are not probes
     expected_tps: float = 0.0    # sums: tokens a second expected of the step (its overhead included)
     measured_tps: float = 0.0    # tokens committed over the step's measured time (clean)
+    realized: float = 0.0        # sum: the kind's delivered ratio each step's plan was scaled by (RealizedRates)
     rivals: dict = field(default_factory=dict)   # rival -> [times logged, its expected tokens a second summed]
 
 
 def by_bucket(lines) -> dict[int, dict[str, BucketChoice]]:
     """'auto step' lines -> per power-of-two batch bucket and choice: what auto expected of its steps,
-    what they committed a second, and the best other speculative plan it weighed (the rival) with
-    its price: where a choice that never ran there lost, and at what price."""
+    what they committed a second, the ratio its kind's delivered tokens scaled its plans by, and the
+    best other speculative plan it weighed (the rival) with its price: where a choice that never ran
+    there lost, and at what price."""
     out: dict[int, dict[str, BucketChoice]] = defaultdict(dict)
     for f in _events(lines, "auto step"):
         if f.get("probe") == "True":
@@ -172,6 +174,7 @@ def by_bucket(lines) -> dict[int, dict[str, BucketChoice]]:
         c.steps += 1
         c.expected_tps += 1e3 * float(f["expected_tokens"]) / (float(f["expected_ms"]) + float(f["overhead_ms"]))
         c.measured_tps += 1e3 * float(f["tokens"]) / float(f["measured_ms"])
+        c.realized += float(f.get("realized", 1.0))
         if f.get("rival") not in (None, "None"):
             r = c.rivals.setdefault(f["rival"], [0, 0.0])
             r[0] += 1
@@ -183,14 +186,14 @@ def print_by_bucket(lines) -> None:
     buckets = by_bucket(lines)
     if not buckets:
         return
-    print("\n| batch bucket | choice | steps | expected tok/s | clean tok/s | rival (most logged) "
-          "| rival expected tok/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| batch bucket | choice | steps | expected tok/s | clean tok/s | delivered ratio (mean) "
+          "| rival (most logged) | rival expected tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
     for b, choices in sorted(buckets.items()):
         for name, c in sorted(choices.items(), key=lambda kv: -kv[1].steps):
             rival, (n, tps) = max(c.rivals.items(), key=lambda kv: kv[1][0], default=("-", (1, 0.0)))
             print(f"| {b} | {name} | {c.steps} | {c.expected_tps / c.steps:.0f} | {c.measured_tps / c.steps:.0f} | "
-                  f"{rival} | {tps / n:.0f} |")
+                  f"{c.realized / c.steps:.3f} | {rival} | {tps / n:.0f} |")
 
 
 def main() -> None:

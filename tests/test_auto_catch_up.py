@@ -165,17 +165,17 @@ def test_the_log_summary_reads_those_lines():
 
 def test_the_log_summary_sets_choices_per_batch_bucket_beside_their_rivals():
     """Per power-of-two batch bucket and choice: tokens a second expected (overhead included) and
-    committed on its clean steps, and the rival it was weighed against most often, with its price:
+    committed on its clean steps, the delivered ratio its plans were scaled by, and the rival it was weighed against most often, with its price:
     a sibling that never ran at a batch size shows there only as a rival."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from auto_log_summary import by_bucket
 
-    def line(batch, choice, rival, rival_tps, probe=False):
+    def line(batch, choice, rival, rival_tps, probe=False, realized=1.0):
         return (f"... [debug ] auto step batch={batch} choice='{choice}' expected_ms=18.0 expected_tokens=60.0 "
                 f"measured_ms=20.0 overhead_ms=2.0 probe={probe} rival='{rival}' rival_tokens_per_second={rival_tps} "
-                "tokens=62")
+                f"realized={realized} tokens=62")
 
-    lines = [line(14, "chain k=8", "chain k=4", 2500.0), line(16, "chain k=8", "chain k=4", 2700.0),
+    lines = [line(14, "chain k=8", "chain k=4", 2500.0, realized=0.9), line(16, "chain k=8", "chain k=4", 2700.0),
              line(12, "chain k=8", "chain k=6", 2900.0), line(15, "chain k=8", "chain k=4", 9.0, probe=True),
              line(20, "chain k=4", "chain k=8", 4000.0)]
     buckets = by_bucket(lines)
@@ -184,6 +184,7 @@ def test_the_log_summary_sets_choices_per_batch_bucket_beside_their_rivals():
     assert k8.steps == 3   # the probe left out
     assert k8.expected_tps / k8.steps == pytest.approx(3000.0) and k8.measured_tps / k8.steps == pytest.approx(3100.0)
     assert k8.rivals == {"chain k=4": [2, 5200.0], "chain k=6": [1, 2900.0]}
+    assert k8.realized / k8.steps == pytest.approx(2.9 / 3)
     assert list(buckets[32]) == ["chain k=4"]
 
 
