@@ -377,9 +377,9 @@ class AutoController:
             for policy in self._auto_policies():
                 policy.vacancies.admitted(self.steps_planned, admitted, into_empty=not self.step_running)
         one = self._one_plan()
+        self._count_delivered(one, seconds)
         for policy in self._auto_policies():
             policy.overheads.tick()
-            policy.realized.tick()
             if one is not None and policy is one[0]:
                 policy.observe_overhead(one[1], seconds, admitted, prefilling, active, carried)
             elif warm and not self.step_running and (admitted or prefilling):   # prompts and nothing else
@@ -388,7 +388,6 @@ class AutoController:
                 policy.overheads.skip(admitted)
         if one is not None:
             policy, plan, _ = one
-            policy.observe_realized(plan, seconds, self.step_tokens)
             if prefilling or admitted:
                 # What such a step took over the clean time it was priced at, per prompt it
                 # admitted, next to the figure the policy charges a prompt (StepOverheads).
@@ -426,7 +425,10 @@ class AutoController:
         chain k=4 at C = 64 on the H100 (~250 ms each at 64 requests) cost nothing: auto flapped between the
         two every few steps, at 0.81x of off, while each kind's own steps delivered more than expected."""
         self.steps_seen += 1
-        one = self._one_plan()
+        self._count_delivered(self._one_plan(), seconds)
+
+    def _count_delivered(self, one: tuple | None, seconds: float) -> None:
+        """Every step counts for RealizedRates' clock; one run under one plan is its kind's evidence."""
         for policy in self._auto_policies():
             policy.realized.tick()
         if one is not None:

@@ -56,7 +56,7 @@ class RealizedRates:
             return 1.0
         _, tokens, expected, seconds = self._decayed(key)
         weight = seconds / (seconds + self.prior_seconds)
-        return 1.0 + weight * (tokens / expected - 1.0) if expected > 0 else 1.0
+        return 1.0 + weight * (tokens / expected - 1.0)   # expected > 0: observe takes no rate of 0
 
     def _decayed(self, key: tuple[bool, int]) -> list[float]:
         sums = self.sums.setdefault(key, [self.steps, 0.0, 0.0, 0.0])
