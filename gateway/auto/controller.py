@@ -57,6 +57,7 @@ class AutoController:
         self.step_drafts: list[list] = []    # per step plan: [expected drafts, accepted drafts, verdicts] (Plan.gains)
         self.steps_seen = 0
         self.catching_up = False   # this step's drafter also takes in tokens committed while a request did not draft
+        self.catch_up_rows = 0     # how many (SwitchCost)
         self.draft_trips = StepCalibration()   # drafts' round trips over the profile's (_price_the_drafts)
         self.holding: set[str] = set()   # this step: seq ids whose hidden states the verifier keeps (see plan)
         self.choice_at: dict[int, Choice] = {}   # batch bucket -> the last plan's choice there (see _plan_group)
@@ -172,6 +173,7 @@ class AutoController:
         self.step_plans, self.step_drafts = [], []
         self.step_running = len(continuing)
         self.catching_up = False
+        self.catch_up_rows = 0
         self.holding = set()
         self.step_tokens = self.step_requests = 0
         self._flush_verdicts()
@@ -201,6 +203,8 @@ class AutoController:
         # off and parked every later request.
         self.catching_up = any(len(r.tokens) - r.drafter_len > step_width(r.settings, r.mode)
                                for r in continuing if r.mode != Mode.OFF and r.draft is None)
+        self.catch_up_rows = sum(len(r.tokens) - r.drafter_len for r in continuing
+                                 if r.mode != Mode.OFF and r.draft is None) if self.catching_up else 0
 
     def _plan_group(self, group: list[ActiveRequest], overlap_allowed: bool, others: int, other_width: int,
                     other_tokens: float, prefilling: bool) -> None:
@@ -236,6 +240,8 @@ class AutoController:
                               off_realized=round(off.realized, 3) if off else None,
                               vacancy_steps=(round(policy.vacancies.steps(), 2)
                                              if isinstance(policy, AutoPolicy) else None),
+                              catch_up_us_per_row=(round(policy.switches.per_row * 1e6, 2)
+                                                   if isinstance(policy, AutoPolicy) else None),
                               request_ids=sorted({r.req.request_id for r in group})[:16])
         for r in group:
             self._apply(r, choice if r.seq_id in speculating else OFF)
@@ -283,18 +289,21 @@ class AutoController:
             plan, known = cached.plan, cached.known
             keep = set(plan.speculating) | ({i for i in ids if i not in known} if plan.choice != OFF else set())
             return dataclasses.replace(plan, speculating=[i for i in ids if i in keep])
+        # (r.mode is still last step's: requests that ran off, or just joined, left the drafter behind)
+        behind = sum(len(r.tokens) - r.drafter_len for r in group if r.mode not in (Mode.CHAIN, Mode.TREE))
         limits = np.array([r.req.max_new_tokens for r in group], dtype=np.float64)
         generated = np.array([r.generated for r in group], dtype=np.float64)
         remaining = limits - generated
         if isinstance(policy, AutoPolicy):
             policy.lengths.running(generated, limits)
         if not explore:   # off while still learning: redone at the next step that can explore (below)
-            plan = policy.plan(ids, others, other_width, other_tokens, explore=False, remaining=remaining)
+            plan = policy.plan(ids, others, other_width, other_tokens, explore=False, remaining=remaining,
+                               behind=behind)
             learning = plan.choice == OFF and not policy.settled_off
             self.plans[overlap_allowed] = CachedPlan(plan, key, 1, set(ids), confirmed=not learning)
             return plan
         steps = cached.age if cached is not None else 1   # steps since the last plan
-        plan = policy.plan(ids, others, other_width, other_tokens, remaining=remaining, steps=steps)
+        plan = policy.plan(ids, others, other_width, other_tokens, remaining=remaining, steps=steps, behind=behind)
         # Kept only once confirmed: a probe, a choice that differs from the last one, or one whose
         # step time at this batch size rests on fewer than three measurements (priced from another
         # size or choice: the policy still learning) is planned again next step - but a choice
@@ -396,6 +405,8 @@ class AutoController:
                                admitted=admitted, expected_ms=round(plan.seconds * 1e3, 2),
                                overhead_ms=round(plan.overhead * 1e3, 2), measured_ms=round(seconds * 1e3, 2),
                                per_admission_ms=round(per_admission * 1e3, 2))
+            if self.catching_up:   # what the catch-up added, per row it took in
+                policy.switches.caught_up(self.catch_up_rows, draft_seconds - self._draft_trip(plan))
             if prefilling:
                 return
             self._price_the_drafts(plan, draft_seconds)
@@ -425,7 +436,10 @@ class AutoController:
         chain k=4 at C = 64 on the H100 (~250 ms each at 64 requests) cost nothing: auto flapped between the
         two every few steps, at 0.81x of off, while each kind's own steps delivered more than expected."""
         self.steps_seen += 1
-        self._count_delivered(self._one_plan(), seconds)
+        one = self._one_plan()
+        self._count_delivered(one, seconds)
+        if one is not None and one[0].last_off is not None:   # its excess over a plain off step (SwitchCost)
+            one[0].switches.released(seconds - one[0].last_off.seconds)
 
     def _count_delivered(self, one: tuple | None, seconds: float) -> None:
         """Every step counts for RealizedRates' clock; one run under one plan is its kind's evidence."""

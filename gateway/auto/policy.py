@@ -22,7 +22,9 @@ that commits more tokens a request ends requests, and admits the next prompts, s
 tokens(c) / time(c) is then scaled by the share of the batch c keeps filled where each ending leaves
 its slot empty until the next admission (gateway/auto/occupancy.py), and by what its kind's steps
 (off, speculating) delivered at this batch size against what their plans expected
-(gateway/auto/realized.py): the parts' errors, summed, as the running service meets them. A
+(gateway/auto/realized.py): the parts' errors, summed, as the running service meets them. Coming
+from off, a speculative choice is weighed net of the switch: the drafter's catch-up on the tokens
+committed while it ran off, against the requests' remaining time (gateway/auto/switch_cost.py). A
 request speculates only while its expected gain pays for its share of the draft step. Speculation
 must beat off by `speculation_margin`: the best of several noisy estimates is more often
 overestimated than not, and a speculative step has costs no step time shows (requests that end
@@ -50,6 +52,7 @@ from gateway.auto.acceptance import AcceptanceBook, TokenCalibration
 from gateway.auto.costs import CostModel, RequestLengths, StepCalibration, StepOverheads
 from gateway.auto.occupancy import Vacancies, occupancy
 from gateway.auto.realized import RealizedRates
+from gateway.auto.switch_cost import SwitchCost
 from gateway.request import Mode
 from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, chain_shape, predraft_shape, tree_shape
 
@@ -154,6 +157,7 @@ class AutoPolicy:
         self.lengths = RequestLengths()
         self.vacancies = Vacancies()
         self.realized = RealizedRates()
+        self.switches = SwitchCost()
         self.min_observations, self.min_measured = min_observations, min_measured
         self.challenge_every, self.challenge_within = challenge_every, challenge_within
         self.plans_since_challenge = 0
@@ -168,7 +172,7 @@ class AutoPolicy:
         self.last_rival: Plan | None = None   # the best speculative plan besides the last choice (logged)
 
     def plan(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
-             explore: bool = True, remaining: np.ndarray | None = None, steps: int = 1) -> Plan:
+             explore: bool = True, remaining: np.ndarray | None = None, steps: int = 1, behind: int = 0) -> Plan:
         """seq_ids: the auto requests of this step; others: the step's other sequences (fixed
         modes), the widest draft among them and the tokens they are expected to commit.
         remaining: [len(seq_ids)] tokens each request may still generate (a draft cannot gain more
@@ -179,14 +183,15 @@ class AutoPolicy:
         there on a borrowed estimate would never be measured, and each wave's ramp would try it
         again (the H200 sweep: trees chosen while 32 prompts prefilled, 0.88x of off).
         steps: the steps since the last plan (a caller that keeps a plan for several steps); the
-        intervals between probes count steps."""
+        intervals between probes count steps. behind: tokens the drafter has yet to take in for these
+        requests (committed while they ran off): what a switch from off must first catch up."""
         if not explore:
-            return self._plan_measured(seq_ids, others, other_width, other_tokens, remaining)
+            return self._plan_measured(seq_ids, others, other_width, other_tokens, remaining, behind)
         probe = self._probe_choice()
         if seq_ids and probe is not None and self.book.drafter_observations("chain") < self.min_observations:
             return self._probe(probe, seq_ids, others)   # a new drafter: measure it cheaply first
         scored = self._scored(self.choices, seq_ids, others, other_width, other_tokens, remaining)
-        best = self._best(scored)
+        best = self._best(scored, behind, remaining)
         self.current = best.choice
         self.plans_since_challenge += 1
         if self.plans_since_challenge >= self.challenge_every and best.choice != OFF:
@@ -218,10 +223,11 @@ class AutoPolicy:
         return best
 
     def _plan_measured(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
-                       remaining: np.ndarray | None) -> Plan:
+                       remaining: np.ndarray | None, behind: int = 0) -> Plan:
         batch = len(seq_ids) + others
         choices = [c for c in self.choices if self.measured(c, batch)]
-        return self._best(self._scored(choices, seq_ids, others, other_width, other_tokens, remaining))
+        return self._best(self._scored(choices, seq_ids, others, other_width, other_tokens, remaining), behind,
+                          remaining)
 
     def measured(self, c: Choice, batch: int) -> bool:
         """Off, or a choice whose step time at this batch size rests on measurements of its own."""
@@ -241,24 +247,42 @@ class AutoPolicy:
         return [self._score(c, seq_ids, others, other_width, other_tokens, prefix.get(c.family), optimistic)
                 for c in choices]
 
-    def _best(self, scored: list[Plan]) -> Plan:
+    def _best(self, scored: list[Plan], behind: int = 0, remaining: np.ndarray | None = None) -> Plan:
         """The best plan among off and the speculative ones `speculation_margin` better than off, or
-        the current choice's (if among them) unless the best is `switch_margin` better."""
+        the current choice's (if among them) unless the best is `switch_margin` better. Coming from
+        off, a speculative plan is weighed net of the switch it needs (_switch_share); its expected
+        rate itself stays as priced (RealizedRates compares steps with it)."""
         off = next((p for p in scored if p.choice == OFF), None)
         self.last_off = off   # (logged beside each new choice: what off was expected to give)
+        worth = {id(p): p.tokens_per_second * self._switch_share(p, behind, remaining) for p in scored}
         candidates = scored
         if off is not None:
             bar = off.tokens_per_second * (1 + self.speculation_margin)
-            candidates = [p for p in scored if p.choice == OFF or p.tokens_per_second >= bar]
-        best = max(candidates, key=lambda p: p.tokens_per_second)
+            # (the margin is for the estimates' noise, the switch a cost: a plan needs both)
+            candidates = [p for p in scored if p.choice == OFF or (
+                p.tokens_per_second >= bar and worth[id(p)] >= off.tokens_per_second)]
+        best = max(candidates, key=lambda p: worth[id(p)])
         current = next((p for p in candidates if p.choice == self.current), None)
-        if current is not None and best.tokens_per_second <= current.tokens_per_second * (1 + self.switch_margin):
+        if current is not None and worth[id(best)] <= worth[id(current)] * (1 + self.switch_margin):
             best = current
         # The best speculative plan besides the one chosen (logged with each measured step: what a
         # choice beat, so a log shows which sibling it was weighed against and at what price).
         self.last_rival = max((p for p in scored if p.choice not in (OFF, best.choice)),
                               key=lambda p: p.tokens_per_second, default=None)
         return best
+
+    def _switch_share(self, p: Plan, behind: int, remaining: np.ndarray | None) -> float:
+        """The share of a speculative plan's rate left once a switch from off is paid: its requests'
+        remaining time at the plan's rate (their mean tokens left over each one's share of the rate),
+        against that time plus the catch-up on `behind` tokens (SwitchCost). 1 where no switch is
+        needed (speculation already runs) or its cost is not yet known."""
+        if p.choice == OFF or self.current != OFF or remaining is None or not len(remaining):
+            return 1.0
+        switch = self.switches.seconds(behind)
+        if switch <= 0 or p.tokens_per_second <= 0:
+            return 1.0
+        horizon = float(np.mean(remaining)) * max(1, p.batch) / p.tokens_per_second
+        return horizon / (horizon + switch)
 
     def pays_for_a_batch(self, batch: int) -> bool:
         """Whether a batch of `batch` new requests, all able to draft at the drafter's acceptance
@@ -410,7 +434,7 @@ class CyclingPolicy:
         self.choices, self.step = choices, 0
 
     def plan(self, seq_ids: list[str], others: int, other_width: int, other_tokens: float,
-             explore: bool = True, remaining: np.ndarray | None = None, steps: int = 1) -> Plan:
+             explore: bool = True, remaining: np.ndarray | None = None, steps: int = 1, behind: int = 0) -> Plan:
         choice = self.choices[self.step % len(self.choices)]
         self.step += 1
         return Plan(choice, [] if choice == OFF else list(seq_ids), 0.0)
