@@ -39,6 +39,16 @@ def observe(p: AutoPolicy, seq_id: str, family: str, a: float, n: int, rng, posi
         p.book.observe(seq_id, family, positions, accepted)
 
 
+def chain_winning_policy(n: int = 32) -> tuple[AutoPolicy, list[str]]:
+    """A memory-bound verifier with cheap drafts, and n requests that each accepted 80% of 20 chains."""
+    p = policy(profile(memory_bound, cheap_draft))
+    rng = np.random.default_rng(0)
+    ids = [f"r{i}" for i in range(n)]
+    for sid in ids:
+        observe(p, sid, "chain", 0.8, 20, rng)
+    return p, ids
+
+
 def test_no_acceptance_turns_speculation_off_and_probes_ever_less_often():
     p = policy(profile(memory_bound, cheap_draft))
     rng = np.random.default_rng(0)

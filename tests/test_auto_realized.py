@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
-from test_auto_policy import cheap_draft, memory_bound, observe, policy, profile
+from test_auto_policy import chain_winning_policy
 from test_auto_prefill import controller, request
 
 from gateway.auto.controller import WARMUP_STEPS
@@ -37,11 +36,7 @@ def test_a_kinds_ratio_is_what_it_delivered_shrunk_toward_the_model_while_thin_a
 
 
 def test_the_policy_follows_what_each_kind_delivered_over_what_its_parts_priced():
-    p = policy(profile(memory_bound, cheap_draft))
-    rng = np.random.default_rng(0)
-    ids = [f"r{i}" for i in range(32)]
-    for sid in ids:
-        observe(p, sid, "chain", 0.8, 20, rng)
+    p, ids = chain_winning_policy()
     plan = p.plan(ids, 0, 1, 0.0)
     assert plan.choice != OFF and plan.realized == 1.0
     p.observe_realized(plan, 0.1, 1.0)                     # its step time not yet its own: no evidence

@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_auto_policy import cheap_draft, memory_bound, observe, policy, profile
+from test_auto_policy import chain_winning_policy
 from test_auto_prefill import controller, request
 
 from gateway.auto.controller import WARMUP_STEPS
@@ -31,17 +31,8 @@ def test_the_cost_per_row_is_learned_from_catch_ups_with_the_releases_before_the
     assert s.per_row == pytest.approx((0.5 * 0.08 + 0.01) / (0.5 * 200 + 100))
 
 
-def winning_chain_policy():
-    p = policy(profile(memory_bound, cheap_draft))
-    rng = np.random.default_rng(0)
-    ids = [f"r{i}" for i in range(32)]
-    for sid in ids:
-        observe(p, sid, "chain", 0.8, 20, rng)
-    return p, ids
-
-
 def test_coming_from_off_a_plan_is_weighed_net_of_the_switch_it_needs():
-    p, ids = winning_chain_policy()
+    p, ids = chain_winning_policy()
     remaining = np.full(len(ids), 8.0)
     free = p.plan(ids, 0, 1, 0.0, remaining=remaining, behind=3200)
     assert free.choice != OFF                     # no catch-up seen yet: the switch is priced at nothing
