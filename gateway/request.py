@@ -146,5 +146,11 @@ class ActiveRequest:
         return (self.auto and not self.parked) or self.mode != Mode.OFF
 
     @property
+    def drafter_lag(self) -> int:
+        """Committed tokens the drafter has not been sent yet (with an EAGLE-3 drafter, also the most
+        hidden-state rows the verifier may hold for this request)."""
+        return len(self.tokens) - self.drafter_len
+
+    @property
     def generated(self) -> int:
         return len(self.tokens) - len(self.req.prompt_ids)

@@ -198,7 +198,7 @@ class Scheduler:
         releasing = 0
         self.held_back = set()
         for r in continuing:
-            held = len(r.tokens) - r.drafter_len   # the rows the verifier may hold for r, at most
+            held = r.drafter_lag   # the rows the verifier may hold for r, at most
             if r.rows_held and request_rows is not None and held > request_rows:
                 self.auto.park([r])   # its rows stay held this step; the next one stops them
                 self.held_back.add(r.seq_id)

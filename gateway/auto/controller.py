@@ -201,10 +201,9 @@ class AutoController:
         # CPU a chain k=1 step went 51 -> 63-91 ms) that must not be read as the choice's step time
         # (observe_step). It was: the probes' slow steps priced chain k=1 above off, so auto stayed
         # off and parked every later request.
-        self.catching_up = any(len(r.tokens) - r.drafter_len > step_width(r.settings, r.mode)
-                               for r in continuing if r.mode != Mode.OFF and r.draft is None)
-        self.catch_up_rows = sum(len(r.tokens) - r.drafter_len for r in continuing
-                                 if r.mode != Mode.OFF and r.draft is None) if self.catching_up else 0
+        drafting_anew = [r for r in continuing if r.mode != Mode.OFF and r.draft is None]
+        self.catching_up = any(r.drafter_lag > step_width(r.settings, r.mode) for r in drafting_anew)
+        self.catch_up_rows = sum(r.drafter_lag for r in drafting_anew) if self.catching_up else 0
 
     def _plan_group(self, group: list[ActiveRequest], overlap_allowed: bool, others: int, other_width: int,
                     other_tokens: float, prefilling: bool) -> None:
@@ -290,7 +289,7 @@ class AutoController:
             keep = set(plan.speculating) | ({i for i in ids if i not in known} if plan.choice != OFF else set())
             return dataclasses.replace(plan, speculating=[i for i in ids if i in keep])
         # (r.mode is still last step's: requests that ran off, or just joined, left the drafter behind)
-        behind = sum(len(r.tokens) - r.drafter_len for r in group if r.mode not in (Mode.CHAIN, Mode.TREE))
+        behind = sum(r.drafter_lag for r in group if r.mode not in (Mode.CHAIN, Mode.TREE))
         limits = np.array([r.req.max_new_tokens for r in group], dtype=np.float64)
         generated = np.array([r.generated for r in group], dtype=np.float64)
         remaining = limits - generated
