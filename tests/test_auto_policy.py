@@ -151,11 +151,12 @@ def test_stalled_steps_do_not_move_a_choices_figure_but_a_lasting_change_does():
     assert cal.ratio("off", "off", 1, 64) == pytest.approx(3.0)
 
 
-def simulate(p: AutoPolicy, verify, draft, a: float, batch: int, steps: int, counted: int | None = None) -> float:
+def simulate(p: AutoPolicy, verify, draft, a: float, batch: int, steps: int, counted: int | None = None,
+             seed: int = 1) -> float:
     """Serve `steps` steps with the true costs and acceptance `a` per position; the policy sees
     only measurements (each whole step's time, each verdict). -> tokens per second over the last
     `counted` steps (default: the second half)."""
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(seed)
     ids = [f"r{i}" for i in range(batch)]
     tokens = seconds = 0.0
     for step in range(steps):
@@ -201,20 +202,24 @@ def test_measurements_lead_to_the_really_best_choice(a, batch):
     assert got >= 0.95 * best_fixed(memory_bound, true_draft, a, batch, p.choices)
 
 
-@pytest.mark.parametrize("a, batch", [(0.8, 1), (0.8, 32), (0.0, 4)])
+@pytest.mark.parametrize("a, batch", [(0.8, 1), (0.8, 32), (0.8, 64), (0.0, 4)])
 def test_contention_the_profile_cannot_see_is_calibrated_away(a, batch):
     """Speculative steps really cost 2.5x what the profile adds up to (a drafter contending with
     the verifier on one GPU), plain steps what it says: auto ends within a few percent of the best
-    fixed choice."""
+    fixed choice (on average over three runs). At batch 64 off is really best, and the profile
+    alone would pick chain k=8 at 0.77 of it."""
     def true_verify(b, w):
         return memory_bound(b, w) * (1.0 if w == 1 else 2.5)
 
     def true_draft(b, n):
         return 2.5 * cheap_draft(b, n)
 
-    p = policy(profile(memory_bound, cheap_draft))
-    got = simulate(p, true_verify, true_draft, a, batch, 1200)
-    assert got >= 0.95 * best_fixed(true_verify, true_draft, a, batch, p.choices)
+    # The mean of three runs: one run's verdicts can favour a tree a few percent worse for a while
+    # (0.92-1.03 of the best fixed choice over six seeds at a = 0.8, batch 1).
+    runs = [(p := policy(profile(memory_bound, cheap_draft)), simulate(p, true_verify, true_draft, a, batch, 1200,
+                                                                      seed=seed)) for seed in (1, 2, 3)]
+    got = float(np.mean([rate for _, rate in runs]))
+    assert got >= 0.95 * best_fixed(true_verify, true_draft, a, batch, runs[0][0].choices)
 
 
 def test_an_overlap_pre_draft_on_the_verifiers_own_processor_is_priced_after_the_verify():
@@ -390,6 +395,42 @@ def test_one_slow_step_does_not_rule_a_kind_out_for_good():
             observe(p, "r0", plan.choice.family, 0.9, 1, rng, plan.choice.positions)
     assert p.current.mode == Mode.CHAIN, ran[-20:]
     assert sum(name.startswith("chain") for name in ran[-50:]) >= 45
+
+
+def test_one_slow_step_of_a_sibling_does_not_rule_it_out_for_good():
+    """The H200 case (a = 0.8, C = 16): chain k=4's only clean step at batch 16 ran at 1.2x its
+    later steps, so auto kept chain k=8 for the whole run (1.09x of off where chain k=4 alone ran
+    1.20x). Challenges also run a sibling of the current choice whose step time there rests on
+    fewer than three steps of its own: it is measured again and auto moves to it. (Chains only:
+    the siblings are the question.)"""
+    def draft(b, n):   # a fixed cost a step: the deepest chain is best, 5% above chain k=6
+        return 0.002 + 0.0003 * n
+
+    ids = [f"r{i}" for i in range(16)]
+
+    def measured_policy(slow: str | None = None, factor: float = 1.2) -> tuple[AutoPolicy, dict[str, float]]:
+        costs = profile(memory_bound, draft)
+        p = AutoPolicy(costs, AcceptanceBook(), [c for c in menu(costs, 64, False) if c.mode != Mode.TREE])
+        rng = np.random.default_rng(0)
+        for sid in ids:
+            observe(p, sid, "chain", 0.8, 20, rng)
+        true = {c.name: p._seconds(c, 16, 16, c.width, None) if c != OFF else memory_bound(16, 1) for c in p.choices}
+        for c in p.choices:   # each measured three times as the model says, but `slow`: once, at `factor`
+            for _ in range(1 if c.name == slow else 3):
+                p.calibration.observe(c.kind, c.name, c.width, 16, true[c.name] * (factor if c.name == slow else 1),
+                                      true[c.name])
+        return p, true
+
+    best = measured_policy()[0].plan(ids, 0, 1, 0.0).choice
+    assert best.name == "chain k=8"
+    p, true = measured_policy(slow=best.name)
+    assert p.plan(ids, 0, 1, 0.0).choice != best     # its one slow step rules it out
+    ran = []
+    for _ in range(400):
+        plan = p.plan(ids, 0, 1, 0.0)
+        ran.append(plan.choice.name)
+        p.observe_step(plan, true[plan.choice.name])
+    assert p.current == best, ran[-20:]
 
 
 def test_overlap_is_priced_with_the_measured_pre_draft_hits_once_known():

@@ -88,6 +88,12 @@ class StepCalibration:
         """Steps of this choice measured at this batch size's bucket (in the window)."""
         return len(self.samples.get((name, bucket(batch)), ()))
 
+    def measured_here(self, kind: str, name: str, batch: int) -> bool:
+        """Whether steps at this batch size's bucket price the choice: its own, or its kind's."""
+        b = bucket(batch)
+        return (name, b) in self.samples or any((n, b) in self.samples for names in self.kinds.get(kind, {}).values()
+                                                for n in names)
+
     def ratio(self, kind: str, name: str, width: int, batch: int, optimistic: bool = False) -> float:
         """optimistic: a borrowed figure resting on fewer than three steps is only an upper bound;
         the next figure in order, down to the first one confirmed by three steps (with none: what

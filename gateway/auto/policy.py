@@ -34,10 +34,13 @@ ran the closed loop at 0.80x of off. The policy keeps its current
 choice unless another is `switch_margin` better, so it does not flap between near-equal choices.
 A new drafter is first measured with cheap probes (one request drafts one token); when
 speculation is off the policy still probes now and then, the interval doubling while probes keep
-losing, so a rising acceptance is noticed; and now and then a close rival from another acceptance
-family (a tree against a chain; the family challenged longest ago first) runs one step, so a family
-is not abandoned on a few unlucky verdicts or on one slow step of a sibling (rivals are priced with
-per-position acceptance errors and StepCalibration's optimistic figures).
+losing, so a rising acceptance is noticed; and now and then a close rival runs one step: one from
+another acceptance family (a tree against a chain), or a sibling of the current choice (chain k=4
+against k=8) whose step time at this batch size rests on one or two steps of its own; the rival
+challenged longest ago first, and only one priced from steps at this batch size. So a family is
+not abandoned on a few unlucky verdicts or on one slow step of a sibling, nor a sibling on one
+slow step of its own (rivals are priced with per-position acceptance errors and
+StepCalibration's optimistic figures).
 """
 
 from __future__ import annotations
@@ -162,7 +165,7 @@ class AutoPolicy:
         self.challenge_every, self.challenge_within = challenge_every, challenge_within
         self.plans_since_challenge = 0
         self.challenges = 0
-        self.last_challenged: dict[str, int] = {}   # family -> the challenge that last ran it
+        self.last_challenged: dict[str, int] = {}   # family or sibling (_challenger) -> the challenge that last ran it
         self.switch_margin, self.speculation_margin = switch_margin, speculation_margin
         self.current = OFF
         self.probe_start, self.probe_max = probe_start, probe_max
@@ -197,19 +200,28 @@ class AutoPolicy:
         if self.plans_since_challenge >= self.challenge_every and best.choice != OFF:
             self.plans_since_challenge = 0
             # Rivals priced optimistically: a figure borrowed from a single step of a sibling (a
-            # transient, perhaps) must not keep a whole kind from ever running here again.
-            rival_choices = [c for c in self.choices if c != OFF and c.family != best.choice.family]
+            # transient, perhaps) must not keep a whole kind from ever running here again. Only
+            # rivals priced from steps at this batch size (their own or their kind's): one priced
+            # from other sizes alone can cost many steps' time here (drafts that contend 65x at
+            # batch 32, measured at 4); that is for the plans' own exploring.
+            batch = len(seq_ids) + others
+            rival_choices = [c for c in self.choices if c not in (OFF, best.choice)
+                             and self.calibration.measured_here(c.kind, c.name, batch)
+                             and (c.family != best.choice.family
+                                  or 0 < self.calibration.measured(c.name, batch) < self.min_measured)]
             rivals = [p for p in self._scored(rival_choices, seq_ids, others, other_width, other_tokens, remaining,
                                               optimistic=True)
                       if p.tokens_per_second >= (1 - self.challenge_within) * best.tokens_per_second]
             if rivals:   # one step, not kept (like a probe)
-                # The family challenged longest ago goes first, so each close family gets its turns
+                # The rival challenged longest ago goes first, so each close one gets its turns
                 # (the best rival alone, a sibling tree say, could keep a chain's unlucky start
                 # from ever being corrected).
-                rival = max(rivals, key=lambda p: (-self.last_challenged.get(p.choice.family, -1), p.tokens_per_second))
+                turn = [_challenger(p.choice, best.choice) for p in rivals]
+                i = max(range(len(rivals)), key=lambda i: (-self.last_challenged.get(turn[i], -1),
+                                                           rivals[i].tokens_per_second))
                 self.challenges += 1
-                self.last_challenged[rival.choice.family] = self.challenges
-                return dataclasses.replace(rival, probe=True)
+                self.last_challenged[turn[i]] = self.challenges
+                return dataclasses.replace(rivals[i], probe=True)
         if best.choice == OFF and seq_ids and len(self.choices) > 1:
             self.steps_off += steps
             if self.steps_off >= self.probe_interval and probe is not None:   # look again, cheaply
@@ -438,6 +450,12 @@ class CyclingPolicy:
         choice = self.choices[self.step % len(self.choices)]
         self.step += 1
         return Plan(choice, [] if choice == OFF else list(seq_ids), 0.0)
+
+
+def _challenger(c: Choice, best: Choice) -> str:
+    """Whose turn a challenge by c takes: another family's as a whole (its acceptance is the
+    question), a sibling of the best choice's own (its step time at this batch size is)."""
+    return c.family if c.family != best.family else c.name
 
 
 def _prefix_sizes(n: int) -> list[int]:
