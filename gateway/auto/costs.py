@@ -91,8 +91,8 @@ class StepCalibration:
     def measured_here(self, kind: str, name: str, batch: int) -> bool:
         """Whether steps at this batch size's bucket price the choice: its own, or its kind's."""
         b = bucket(batch)
-        return (name, b) in self.samples or any((n, b) in self.samples for names in self.kinds.get(kind, {}).values()
-                                                for n in names)
+        kin = (n for names in self.kinds.get(kind, {}).values() for n in names)
+        return (name, b) in self.samples or any((n, b) in self.samples for n in kin)
 
     def ratio(self, kind: str, name: str, width: int, batch: int, optimistic: bool = False) -> float:
         """optimistic: a borrowed figure resting on fewer than three steps is only an upper bound;

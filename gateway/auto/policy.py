@@ -165,7 +165,7 @@ class AutoPolicy:
         self.challenge_every, self.challenge_within = challenge_every, challenge_within
         self.plans_since_challenge = 0
         self.challenges = 0
-        self.last_challenged: dict[str, int] = {}   # family or sibling (_challenger) -> the challenge that last ran it
+        self.last_challenged: dict[str, int] = {}   # _challenger(rival) -> the challenge that last ran it
         self.switch_margin, self.speculation_margin = switch_margin, speculation_margin
         self.current = OFF
         self.probe_start, self.probe_max = probe_start, probe_max
