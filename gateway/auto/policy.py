@@ -216,12 +216,13 @@ class AutoPolicy:
                 # The rival challenged longest ago goes first, so each close one gets its turns
                 # (the best rival alone, a sibling tree say, could keep a chain's unlucky start
                 # from ever being corrected).
-                turn = [_challenger(p.choice, best.choice) for p in rivals]
-                i = max(range(len(rivals)), key=lambda i: (-self.last_challenged.get(turn[i], -1),
-                                                           rivals[i].tokens_per_second))
+                def turn(p: Plan) -> str:
+                    return _challenger(p.choice, best.choice)
+
+                rival = max(rivals, key=lambda p: (-self.last_challenged.get(turn(p), -1), p.tokens_per_second))
                 self.challenges += 1
-                self.last_challenged[turn[i]] = self.challenges
-                return dataclasses.replace(rivals[i], probe=True)
+                self.last_challenged[turn(rival)] = self.challenges
+                return dataclasses.replace(rival, probe=True)
         if best.choice == OFF and seq_ids and len(self.choices) > 1:
             self.steps_off += steps
             if self.steps_off >= self.probe_interval and probe is not None:   # look again, cheaply
