@@ -137,6 +137,9 @@ def test_step_calibration_is_robust_and_borrows_the_nearest_measured_neighbour()
         cal.observe("chain", "chain k=4", 5, 32, 0.041, 0.010)
     assert cal.ratio("chain", "chain k=8", 9, 32) == pytest.approx(4.1)   # a neighbour of its kind at this size first
     assert cal.ratio("tree", "tree 4/4/16", 17, 32) == pytest.approx(3.0)  # else its figure elsewhere, times the trend
+    cal.observe("off", "off", 1, 16, 0.012, 0.010)
+    # But not off: the trend is what the drafts measured, and off's steps only verify.
+    assert cal.ratio("off", "off", 1, 32) == pytest.approx(1.2)
 
 
 def test_stalled_steps_do_not_move_a_choices_figure_but_a_lasting_change_does():

@@ -67,8 +67,9 @@ class StepCalibration:
     steps ~20) priced it and its kin chain k=4 at 37 ms (~31) for the rest of the run, and auto
     stayed off where chain k=4 ran 1.08x of off (H100, 8B)."""
 
-    def __init__(self, window: int = 5) -> None:
-        self.window = window
+    def __init__(self, window: int = 5, plain_kind: str = "off") -> None:
+        """plain_kind: the kind of steps that only verify (mode off)."""
+        self.window, self.plain_kind = window, plain_kind
         self.samples: dict[tuple[str, int], deque] = {}          # (choice name, bucket) -> ratios
         self.kinds: dict[str, dict[int, set[str]]] = {}          # kind -> width -> measured choice names
         self.bounds: dict[tuple[str, int], float] = {}           # (choice name, bucket) -> least bounding ratio
@@ -133,7 +134,12 @@ class StepCalibration:
         for candidate in [name, *kin]:
             near = self._nearest_bucket(candidate, b)
             if near is not None:
-                yield self.samples[(candidate, near)], self._trend(near, b)
+                # A plain step is the verifier's alone: the trend the speculative choices measured
+                # between the buckets (their drafts contending on a shared GPU) is not its. On the
+                # H100 (a = 0.6) off, not run at 17-32 while chains ran there, was priced at 13.1 ms
+                # where its steps take 10.4, and auto speculated at 0.78x of off.
+                trend = 1.0 if kind == self.plain_kind else self._trend(near, b)
+                yield self.samples[(candidate, near)], trend
 
     def _nearest_bucket(self, name: str, b: int) -> int | None:
         measured = nearest_first({x for (n, x) in self.samples if n == name}, b)

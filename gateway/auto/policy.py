@@ -154,7 +154,7 @@ class AutoPolicy:
         a family that looked worse after a few unlucky verdicts is measured again; min_measured:
         measured steps that make a choice's step time at a batch size its own (not borrowed)."""
         self.costs, self.book, self.choices = costs, book, choices
-        self.calibration = StepCalibration()
+        self.calibration = StepCalibration(plain_kind=OFF.kind)
         self.tokens = TokenCalibration()
         self.overheads = StepOverheads()
         self.lengths = RequestLengths()

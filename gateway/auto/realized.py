@@ -16,8 +16,9 @@ step that runs requests off while their held hidden states travel, and the draft
 them after (~250 ms together at 64 requests on the H100). So switches are priced over the spells
 auto really runs: when it flaps, each short spell carries a whole switch, and speculation's ratio
 falls until it stops (auto flapped at C = 64 between off and chain k=4, each kind's own steps
-delivering more than expected, and ran at 0.81x of off). The evidence shrinks toward the model's
-own figure (ratio 1) while it is thin, and its weight halves every `half_life` steps, so a kind
+delivering more than expected, and ran at 0.81x of off). The evidence shrinks toward a prior
+while it is thin (the model's own figure, or the other kind's ratio where that is above 1; see
+`ratio`), and its weight halves every `half_life` steps, so a kind
 that lost at a batch size is tried there again, rarely, once the load or the costs may have
 changed.
 """
@@ -50,13 +51,27 @@ class RealizedRates:
         sums[3] += seconds
 
     def ratio(self, speculating: bool, batch: int) -> float:
-        """Delivered over expected tokens for this kind at this batch size (1: nothing measured)."""
-        key = (speculating, bucket(batch))
-        if key not in self.sums:
-            return 1.0
-        _, tokens, expected, seconds = self._decayed(key)
-        weight = seconds / (seconds + self.prior_seconds)
-        return 1.0 + weight * (tokens / expected - 1.0)   # expected > 0: observe takes no rate of 0
+        """Delivered over expected tokens for this kind at this batch size, its evidence shrunk toward
+        a prior while thin: the other kind's ratio here where that is above 1, else 1 (the model's
+        own figure). Errors the two kinds share (how full the batch stays, what a wave's prefill
+        costs) then do not favour the kind that has run here over the one that has not: on the H100
+        (a = 0.8) auto came to C = 48-64 speculating, chain k=4 delivered 1.29 times its plans there,
+        off had never run there, its figure stayed 1, and auto speculated at 0.84-0.86x of off. Not
+        below 1: a kind that delivered less than priced must not hold back the one not yet tried."""
+        b = bucket(batch)
+        other = self._own(not speculating, b)
+        prior = max(1.0, 1.0 + other[1] * (other[0] - 1.0)) if other else 1.0
+        own = self._own(speculating, b)
+        return prior + own[1] * (own[0] - prior) if own else prior
+
+    def _own(self, speculating: bool, b: int) -> tuple[float, float] | None:
+        """(delivered / expected, the evidence's weight against the prior) of a kind at a bucket."""
+        if (speculating, b) not in self.sums:
+            return None
+        _, tokens, expected, seconds = self._decayed((speculating, b))
+        if expected <= 0:
+            return None
+        return tokens / expected, seconds / (seconds + self.prior_seconds)
 
     def _decayed(self, key: tuple[bool, int]) -> list[float]:
         sums = self.sums.setdefault(key, [self.steps, 0.0, 0.0, 0.0])
