@@ -437,6 +437,35 @@ def test_one_slow_step_of_a_sibling_does_not_rule_it_out_for_good():
     assert p.current == best, ran[-20:]
 
 
+def test_one_slow_step_of_off_does_not_keep_speculation_standing():
+    """The H100 sweep (a = 0.6, C = 32): off's only clean step at the 17-32 bucket (the first after
+    a wave's prompts) took 11.8 ms where its steps take ~10.5, and off, priced so, lost to chains
+    for the rest of the row (0.82x of off). While speculation stands off runs only in steps that
+    prefill, which measure nothing: challenges also run off where its step time at this batch
+    size rests on fewer than three steps of its own, and auto turns to it."""
+    def draft(b, n):   # a fixed cost a step: the best chain is ~5% below off at batch 32
+        return 0.0135 + 0.0003 * n
+
+    costs = profile(memory_bound, draft)
+    p = AutoPolicy(costs, AcceptanceBook(), [c for c in menu(costs, 64, False) if c.mode != Mode.TREE])
+    ids = [f"r{i}" for i in range(32)]
+    rng = np.random.default_rng(0)
+    for sid in ids:
+        observe(p, sid, "chain", 0.6, 20, rng)
+    true = {c.name: p._seconds(c, 32, 32, c.width, None) if c != OFF else memory_bound(32, 1) for c in p.choices}
+    for c in p.choices:   # each measured three times as the model says, but off: once, at 1.25x
+        for _ in range(1 if c == OFF else 3):
+            p.calibration.observe(c.kind, c.name, c.width, 32, true[c.name] * (1.25 if c == OFF else 1), true[c.name])
+    assert best_fixed(memory_bound, draft, 0.6, 32, p.choices) == 32 / memory_bound(32, 1)   # off is best
+    assert p.plan(ids, 0, 1, 0.0).choice != OFF      # but its one slow step rules it out
+    ran = []
+    for _ in range(400):
+        plan = p.plan(ids, 0, 1, 0.0)
+        ran.append(plan.choice.name)
+        p.observe_step(plan, true[plan.choice.name])
+    assert p.current == OFF, ran[-20:]
+
+
 def test_overlap_is_priced_with_the_measured_pre_draft_hits_once_known():
     """Whole-draft acceptance is the pre-draft hit rate only until hits are measured: a hedging
     drafter's pre-drafts hit far more often (its hedges cover rejections), a plain one's less (it

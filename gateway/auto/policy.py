@@ -36,10 +36,11 @@ A new drafter is first measured with cheap probes (one request drafts one token)
 speculation is off the policy still probes now and then, the interval doubling while probes keep
 losing, so a rising acceptance is noticed; and now and then a close rival runs one step: one from
 another acceptance family (a tree against a chain), or a sibling of the current choice (chain k=4
-against k=8) whose step time at this batch size rests on one or two steps of its own; the rival
-challenged longest ago first, and only one priced from steps at this batch size. So a family is
-not abandoned on a few unlucky verdicts or on one slow step of a sibling, nor a sibling on one
-slow step of its own (rivals are priced with per-position acceptance errors and
+against k=8) whose step time at this batch size rests on one or two steps of its own, or off
+where its own step time there rests on fewer than three; the rival challenged longest ago first,
+and (off aside) only one priced from steps at this batch size. So a family is not abandoned on a
+few unlucky verdicts or on one slow step of a sibling, nor a sibling or off on one slow step of
+its own (rivals are priced with per-position acceptance errors and
 StepCalibration's optimistic figures).
 """
 
@@ -87,6 +88,8 @@ class Choice:
     @cached_property
     def family(self) -> str:
         """Which acceptance estimate prices it: all chains share one (a chain of k is a prefix of k+1)."""
+        if self.mode == Mode.OFF:
+            return "off"
         return "chain" if self.mode == Mode.CHAIN else tree_shape(self.topk, self.depth, self.budget)
 
     @property
@@ -149,9 +152,10 @@ class AutoPolicy:
         """probe_start, probe_max: steps off between probes, first and at most (each `plan` call
         counts its `steps`);
         min_observations: verdicts the drafter needs before a plan trusts its acceptance (until
-        then each plan is a probe); every `challenge_every` plans the best choice of another
-        acceptance family, if predicted within `challenge_within` of the best, runs one step, so
-        a family that looked worse after a few unlucky verdicts is measured again; min_measured:
+        then each plan is a probe); every `challenge_every` plans a rival (another acceptance
+        family's best, a sibling or off, as the module docstring says), if predicted within
+        `challenge_within` of the best, runs one step, so a choice that looked worse after a few
+        unlucky verdicts or one slow step is measured again; min_measured:
         measured steps that make a choice's step time at a batch size its own (not borrowed)."""
         self.costs, self.book, self.choices = costs, book, choices
         self.calibration = StepCalibration(plain_kind=OFF.kind)
@@ -209,6 +213,13 @@ class AutoPolicy:
                              and self.calibration.measured_here(c.kind, c.name, batch)
                              and (c.family != best.choice.family
                                   or 0 < self.calibration.measured(c.name, batch) < self.min_measured)]
+            # And off, where its step time here rests on fewer than `min_measured` steps of its
+            # own: while speculation stands, off runs only in steps that prefill, which measure
+            # nothing. On the H100 (a = 0.6, C = 32) off's one clean step at 17-32, the first after
+            # a wave's prompts, took 11.8 ms where its steps take ~10.5; so priced, off lost to the
+            # chains for the rest of the row, and auto ran at 0.82x of off.
+            if self.calibration.measured(OFF.name, batch) < self.min_measured:
+                rival_choices.append(OFF)
             rivals = [p for p in self._scored(rival_choices, seq_ids, others, other_width, other_tokens, remaining,
                                               optimistic=True)
                       if p.tokens_per_second >= (1 - self.challenge_within) * best.tokens_per_second]
