@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import numpy as np
+import pytest
 from test_auto_policy import chain_winning_policy, cheap_draft, observe, policy, profile
 from test_auto_prefill import controller, request
 
