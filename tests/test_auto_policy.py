@@ -401,6 +401,36 @@ def test_one_slow_step_does_not_rule_a_kind_out_for_good():
     assert sum(name.startswith("chain") for name in ran[-50:]) >= 45
 
 
+def chains_measured(draft, batch: int, a: float, slow: str | None = None,
+                    factor: float = 1.2) -> tuple[AutoPolicy, list[str], dict[str, float]]:
+    """A policy over off and the chains for `batch` requests that each accepted `a` per position of
+    20 chains, every choice's step time measured three times as the model says (a memory-bound
+    verify), but `slow`'s: once, at `factor` times. -> (policy, seq ids, true seconds by name)."""
+    costs = profile(memory_bound, draft)
+    p = AutoPolicy(costs, AcceptanceBook(), [c for c in menu(costs, 64, False) if c.mode != Mode.TREE])
+    ids = [f"r{i}" for i in range(batch)]
+    rng = np.random.default_rng(0)
+    for sid in ids:
+        observe(p, sid, "chain", a, 20, rng)
+    true = {c.name: p._seconds(c, batch, batch, c.width, None) if c != OFF else memory_bound(batch, 1)
+            for c in p.choices}
+    for c in p.choices:
+        for _ in range(1 if c.name == slow else 3):
+            p.calibration.observe(c.kind, c.name, c.width, batch, true[c.name] * (factor if c.name == slow else 1),
+                                  true[c.name])
+    return p, ids, true
+
+
+def serve(p: AutoPolicy, ids: list[str], true: dict[str, float], steps: int = 400) -> list[str]:
+    """`steps` plans, each step taking its choice's true time. -> the choices run."""
+    ran = []
+    for _ in range(steps):
+        plan = p.plan(ids, 0, 1, 0.0)
+        ran.append(plan.choice.name)
+        p.observe_step(plan, true[plan.choice.name])
+    return ran
+
+
 def test_one_slow_step_of_a_sibling_does_not_rule_it_out_for_good():
     """The H200 case (a = 0.8, C = 16): chain k=4's only clean step at batch 16 ran at 1.2x its
     later steps, so auto kept chain k=8 for the whole run (1.09x of off where chain k=4 alone ran
@@ -410,30 +440,12 @@ def test_one_slow_step_of_a_sibling_does_not_rule_it_out_for_good():
     def draft(b, n):   # a fixed cost a step: the deepest chain is best, 5% above chain k=6
         return 0.002 + 0.0003 * n
 
-    ids = [f"r{i}" for i in range(16)]
-
-    def measured_policy(slow: str | None = None, factor: float = 1.2) -> tuple[AutoPolicy, dict[str, float]]:
-        costs = profile(memory_bound, draft)
-        p = AutoPolicy(costs, AcceptanceBook(), [c for c in menu(costs, 64, False) if c.mode != Mode.TREE])
-        rng = np.random.default_rng(0)
-        for sid in ids:
-            observe(p, sid, "chain", 0.8, 20, rng)
-        true = {c.name: p._seconds(c, 16, 16, c.width, None) if c != OFF else memory_bound(16, 1) for c in p.choices}
-        for c in p.choices:   # each measured three times as the model says, but `slow`: once, at `factor`
-            for _ in range(1 if c.name == slow else 3):
-                p.calibration.observe(c.kind, c.name, c.width, 16, true[c.name] * (factor if c.name == slow else 1),
-                                      true[c.name])
-        return p, true
-
-    best = measured_policy()[0].plan(ids, 0, 1, 0.0).choice
+    p, ids, _ = chains_measured(draft, 16, 0.8)
+    best = p.plan(ids, 0, 1, 0.0).choice
     assert best.name == "chain k=8"
-    p, true = measured_policy(slow=best.name)
+    p, ids, true = chains_measured(draft, 16, 0.8, slow=best.name)
     assert p.plan(ids, 0, 1, 0.0).choice != best     # its one slow step rules it out
-    ran = []
-    for _ in range(400):
-        plan = p.plan(ids, 0, 1, 0.0)
-        ran.append(plan.choice.name)
-        p.observe_step(plan, true[plan.choice.name])
+    ran = serve(p, ids, true)
     assert p.current == best, ran[-20:]
 
 
@@ -446,23 +458,10 @@ def test_one_slow_step_of_off_does_not_keep_speculation_standing():
     def draft(b, n):   # a fixed cost a step: the best chain is ~5% below off at batch 32
         return 0.0135 + 0.0003 * n
 
-    costs = profile(memory_bound, draft)
-    p = AutoPolicy(costs, AcceptanceBook(), [c for c in menu(costs, 64, False) if c.mode != Mode.TREE])
-    ids = [f"r{i}" for i in range(32)]
-    rng = np.random.default_rng(0)
-    for sid in ids:
-        observe(p, sid, "chain", 0.6, 20, rng)
-    true = {c.name: p._seconds(c, 32, 32, c.width, None) if c != OFF else memory_bound(32, 1) for c in p.choices}
-    for c in p.choices:   # each measured three times as the model says, but off: once, at 1.25x
-        for _ in range(1 if c == OFF else 3):
-            p.calibration.observe(c.kind, c.name, c.width, 32, true[c.name] * (1.25 if c == OFF else 1), true[c.name])
+    p, ids, true = chains_measured(draft, 32, 0.6, slow=OFF.name, factor=1.25)
     assert best_fixed(memory_bound, draft, 0.6, 32, p.choices) == 32 / memory_bound(32, 1)   # off is best
     assert p.plan(ids, 0, 1, 0.0).choice != OFF      # but its one slow step rules it out
-    ran = []
-    for _ in range(400):
-        plan = p.plan(ids, 0, 1, 0.0)
-        ran.append(plan.choice.name)
-        p.observe_step(plan, true[plan.choice.name])
+    ran = serve(p, ids, true)
     assert p.current == OFF, ran[-20:]
 
 
