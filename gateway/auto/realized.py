@@ -35,10 +35,12 @@ class RealizedRates:
         self.half_life, self.prior_seconds = half_life, prior_seconds
         self.steps = 0
         self.sums: dict[tuple[bool, int], list[float]] = {}   # (speculating, bucket) -> [step, tokens, expected, s]
+        self.cached: dict[tuple[bool, int], float] = {}       # ratios since the last step (a plan asks per choice)
 
     def tick(self) -> None:
         """One step of any kind has run."""
         self.steps += 1
+        self.cached.clear()
 
     def observe(self, speculating: bool, batch: int, expected_rate: float, seconds: float, tokens: float) -> None:
         """A step run under one plan of this kind at this batch size: the plan's expected tokens a
@@ -49,6 +51,7 @@ class RealizedRates:
         sums[1] += tokens
         sums[2] += expected_rate * seconds
         sums[3] += seconds
+        self.cached.clear()
 
     def ratio(self, speculating: bool, batch: int) -> float:
         """Delivered over expected tokens for this kind at this batch size, its evidence shrunk toward
@@ -58,20 +61,20 @@ class RealizedRates:
         (a = 0.8) auto came to C = 48-64 speculating, chain k=4 delivered 1.29 times its plans there,
         off had never run there, its figure stayed 1, and auto speculated at 0.84-0.86x of off. Not
         below 1: a kind that delivered less than priced must not hold back the one not yet tried."""
-        b = bucket(batch)
-        other = self._own(not speculating, b)
-        prior = max(1.0, 1.0 + other[1] * (other[0] - 1.0)) if other else 1.0
-        own = self._own(speculating, b)
-        return prior + own[1] * (own[0] - prior) if own else prior
+        key = (speculating, bucket(batch))
+        if key not in self.cached:
+            other = self._own(not speculating, key[1])
+            prior = max(1.0, 1.0 + other[1] * (other[0] - 1.0)) if other else 1.0
+            own = self._own(*key)
+            self.cached[key] = prior + own[1] * (own[0] - prior) if own else prior
+        return self.cached[key]
 
     def _own(self, speculating: bool, b: int) -> tuple[float, float] | None:
         """(delivered / expected, the evidence's weight against the prior) of a kind at a bucket."""
         if (speculating, b) not in self.sums:
             return None
         _, tokens, expected, seconds = self._decayed((speculating, b))
-        if expected <= 0:
-            return None
-        return tokens / expected, seconds / (seconds + self.prior_seconds)
+        return tokens / expected, seconds / (seconds + self.prior_seconds)   # expected > 0: observe takes no rate of 0
 
     def _decayed(self, key: tuple[bool, int]) -> list[float]:
         sums = self.sums.setdefault(key, [self.steps, 0.0, 0.0, 0.0])
