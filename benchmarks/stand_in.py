@@ -102,7 +102,7 @@ class StandInVerifier:
             if o.want_hidden and self.aux_width:
                 self.hidden_for.add(o.seq_id)
             rows += len(o.prompt_ids)
-            res.verdicts.append(self._commit(state, [next_token(state.tokens, self.vocab)], 0, len(o.prompt_ids)))
+            res.verdicts.append(self._commit(state, [next_token(state.tokens, self.vocab)], 0, len(o.prompt_ids), hold))
         for item in req.verify:
             state = self.table.get(item.seq_id)
             accepted = self._walk(state.tokens, item.draft)

@@ -301,6 +301,22 @@ def test_prompts_arriving_at_a_load_where_auto_chose_off_are_held_while_it_draft
     assert not auto.holds_admissions(64) and not auto.holds_admissions(4)   # never planned: the last plan drafts
 
 
+def test_a_probe_where_auto_runs_off_does_not_send_the_next_prompts_rows():
+    """A probe (one request drafting one token to measure the drafter) is not auto's choice at that
+    batch size: where the plans there run off, the prompts admitted next keep their rows on the
+    verifier. A new drafter's probe of chain k=1 at C = 64 once had every later wave send its 63
+    prompts' rows (stand-ins with 8B-wide rows: a 455 ms step against 58 ms)."""
+    auto = controller(True, lambda width, batch: 0.01 + 0.0005 * width * batch)
+    reqs = [request(i) for i in range(32)]
+    auto.plan(reqs, prefilling=True)   # a wave's prefill: off (nothing measured yet)
+    (_, plan, _), = auto.step_plans
+    assert plan.choice.name == "off" and auto.holds_admissions(32)
+    auto.plan(reqs)                    # a new drafter: its first plan probes it
+    (_, plan, _), = auto.step_plans
+    assert plan.probe and plan.choice.name == "chain k=1" and not auto.settled_off()
+    assert auto.holds_admissions(32)
+
+
 def test_off_for_requests_with_nothing_left_to_gain_does_not_hold_the_next_prompts():
     """Requests with one token left (a benchmark's 2-token warm-ups, after their prompt's token) run
     off whatever the load: nothing to draft. That plan must not hold the rows of the prompts

@@ -28,3 +28,22 @@ def test_stand_ins_serve_every_mode_the_same_tokens_at_the_set_acceptance():
     assert off.accept_len == 1.0
     assert off.verify_ms >= 2.0                                     # the modelled verify step, as engine time
     assert speculating[0].draft_engine_ms > 0.5                     # (per gateway step, prompt steps included)
+
+
+def test_the_stand_in_verifier_keeps_held_rows_back_as_the_engine_does():
+    """A prompt admitted with its rows held (auto runs off) sends none with its prefill's verdict; they
+    come, in order, with its first verdict not held. (The stand-in once sent a held prompt's rows at
+    once: at C = 64 with 8B-wide rows each wave's admission cost it ~400 ms the GPU does not pay.)"""
+    from benchmarks.stand_in import StandInVerifier, StepTime
+    from specdec.draft_tree import DraftTree
+    from verifier_svc.types import OpenSequence, VerifierStep, VerifyItem
+
+    verifier = StandInVerifier(StepTime(0.0, 0.0), 4, 384, 256, aux_width=8)
+    prompt = [5, 6, 7]
+    opened, = verifier.step(VerifierStep(1, open=[OpenSequence("s", prompt, want_hidden=True)],
+                                         hold_hidden=["s"])).verdicts
+    assert opened.hidden is None
+    held, = verifier.step(VerifierStep(2, verify=[VerifyItem("s", 4, DraftTree())], hold_hidden=["s"])).verdicts
+    assert held.hidden is None
+    sent, = verifier.step(VerifierStep(3, verify=[VerifyItem("s", 5, DraftTree())])).verdicts
+    assert sent.hidden.shape == (len(prompt) + 2, 8)   # the prompt's rows, then one per verify step

@@ -220,8 +220,10 @@ class AutoController:
             # says nothing about what the load favours: it must not hold the rows of the next
             # prompts admitted at this batch size (a benchmark's 2-token warm-ups did, and each
             # wave after them started off, then sent its rows: ~5% of the time at C = 16, H100).
-            # Nor does one step of off run to measure it while speculation stands (a challenge).
-            if choice != OFF or (not plan.probe and any(r.req.max_new_tokens - r.generated > 1 for r in group)):
+            # Nor does a probe or challenge, one step run to measure a choice: a new drafter's
+            # probe of chain k=1 where auto ran off had the next wave's prompts at that batch size
+            # send their rows (stand-ins, C = 64, 8B-wide rows: 63 prompts' rows, a 455 ms step).
+            if not plan.probe and (choice != OFF or any(r.req.max_new_tokens - r.generated > 1 for r in group)):
                 self.choice_at[bucket(len(group) + others)] = self.load_choice[overlap_allowed] = choice
             if self.scout is not None and any(r is self.scout for r in group):
                 if choice != OFF and self.scout.seq_id in speculating:
