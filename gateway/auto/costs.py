@@ -233,8 +233,11 @@ class StepOverheads:
     priced off at its clean steps (H100, C = 32: 3,200 tok/s where off ran 2,440, and auto ran off
     there at 0.92x of chain k=4). Before groups, the excess of steps after a wave admitted beside
     few requests was charged to the few prompts of an earlier group at the wave's batch (24 ms a
-    prompt where they cost 3-4 ms). Speculation not yet measured at a bucket borrows off's figure
-    there: it is then tried, and its own figure replaces it. Off not yet measured at a bucket
+    prompt where they cost 3-4 ms). Speculation not yet measured at a bucket borrows what off is
+    charged there: it is then tried, and its own figure replaces it. (It once borrowed off's figure at
+    that bucket only, else nothing: on the H100 at a = 0.8, C = 64, each wave's first prompts joined a
+    batch of 8 under tree 2/4/8, its prompts charged nothing against off's 13 ms a step, in steps of
+    42-49 ms where off's took 27-30.) Off not yet measured at a bucket
     takes its own figure at the nearest bucket (its prompts cost the verifier's prefill, about the
     same at any batch size), never speculation's: off is not challenged, so a figure too high
     would keep it from ever running there to measure its own (where speculation's prompts cost 3x
@@ -310,12 +313,11 @@ class StepOverheads:
         return self.cached[key]
 
     def _per_admission(self, speculating: bool, b: int) -> float:
-        if speculating:   # its own figure, else off's at this batch size
-            keys = [(True, b), (False, b)]
-        else:             # its own figure here, else at the nearest batch size it has one
-            keys = [(False, x) for x in nearest_first({x for kind, x in self.groups if not kind}, b)]
-        for key in keys:
-            figure = self._figure(key)
+        if speculating:   # its own figure, else what off would be charged here
+            own = self._figure((True, b))
+            return own if own is not None else self._per_admission(False, b)
+        for x in nearest_first({x for kind, x in self.groups if not kind}, b):   # off's own, nearest first
+            figure = self._figure((False, x))
             if figure is not None:
                 return figure
         return 0.0
