@@ -200,12 +200,14 @@ class AcceptanceBook:
         self.drafter: dict[str, Rates] = {}
         self.requests: dict[str, RequestTable] = {}   # by family
         self.predraft_hits = PreDraftHits()
+        self.cached: dict[tuple[str, bool], np.ndarray] = {}   # drafter_rates until the next verdicts
 
     def observe(self, seq_id: str, family: str, depth: int, accepted: int) -> None:
         self.observe_many([seq_id], family, np.array([depth]), np.array([accepted]))
 
     def observe_many(self, seq_ids: list[str], family: str, depths: np.ndarray, accepted: np.ndarray) -> None:
         """A step's verdicts for one family, one per request (seq_ids distinct), in order."""
+        self.cached.clear()
         self.drafter.setdefault(family, Rates(self.drafter_decay)).observe_many(depths, accepted)
         self.requests.setdefault(family, RequestTable(self.request_decay)).observe_many(seq_ids, depths, accepted)
 
@@ -224,7 +226,14 @@ class AcceptanceBook:
         return own.observations if own is not None else 0
 
     def drafter_rates(self, family: str, optimistic: bool = False) -> np.ndarray:
-        """optimistic: with per-position errors (Rates.pooled), for pricing challengers."""
+        """optimistic: with per-position errors (Rates.pooled), for pricing challengers. (Read-only:
+        kept until the next verdicts, as a plan asks once per family and choice.)"""
+        rates = self.cached.get((family, optimistic))
+        if rates is None:
+            rates = self.cached[(family, optimistic)] = self._drafter_rates(family, optimistic)
+        return rates
+
+    def _drafter_rates(self, family: str, optimistic: bool) -> np.ndarray:
         chain = self.drafter.get("chain")
         untried = np.full(MAX_POSITIONS, UNTRIED_RATE)
         reference = chain.pooled(untried, self.pool_weight, 0.0) if chain and chain.observations else None

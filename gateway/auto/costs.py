@@ -187,6 +187,9 @@ class CostModel:
         for c in drafter:
             by_shape[c.shape].append((c.batch, c.seconds))
         self.draft_shapes = {s: _Surface(p) for s, p in by_shape.items()}
+        # The profiles never change: each (batch, shape) is interpolated once (a plan asks hundreds).
+        self._verify_cache: dict[tuple[int, int], float] = {}
+        self._draft_cache: dict[tuple[int, str], float] = {}
 
     def has_draft_shape(self, shape: str) -> bool:
         return shape in self.draft_shapes
@@ -197,6 +200,13 @@ class CostModel:
         return width <= max(self.verify_widths, default=0)
 
     def verify(self, batch: int, width: int) -> float:
+        key = (batch, width)
+        seconds = self._verify_cache.get(key)
+        if seconds is None:
+            seconds = self._verify_cache[key] = self._verify(batch, width)
+        return seconds
+
+    def _verify(self, batch: int, width: int) -> float:
         widths = list(self.verify_widths)
         if width in self.verify_widths:
             return self.verify_widths[width].at(batch)
@@ -206,7 +216,11 @@ class CostModel:
         return a if hi == lo else a + (b - a) * (width - lo) / (hi - lo)
 
     def draft(self, batch: int, shape: str) -> float:
-        return self.draft_shapes[shape].at(batch) if batch else 0.0
+        key = (batch, shape)
+        seconds = self._draft_cache.get(key)
+        if seconds is None:
+            seconds = self._draft_cache[key] = self.draft_shapes[shape].at(batch) if batch else 0.0
+        return seconds
 
 
 class StepOverheads:
