@@ -50,3 +50,14 @@ def test_serve_generate_and_stop(checkpoints):
     finally:
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=30) == 0
+
+
+def test_client_commands_start_without_torch():
+    """`specdec health` (the containers' healthcheck, run every few seconds) and `specdec generate`
+    build the whole command line but need no model code: building it once imported torch through
+    train-drafter's defaults, 2.4 s and a few hundred MB a healthcheck."""
+    code = ("import sys\nfrom specdec.cli import main\n"
+            "try:\n    main(['health', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch loaded:', 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip().endswith("torch loaded: False")

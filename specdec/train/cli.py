@@ -6,7 +6,7 @@ import argparse
 import hashlib
 from pathlib import Path
 
-from specdec.train.trainer import TrainDrafterConfig, TrainReport
+from specdec.train.config import TrainDrafterConfig, TrainReport
 
 DEFAULTS = TrainDrafterConfig(Path("."), Path("."))
 
