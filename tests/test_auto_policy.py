@@ -449,6 +449,23 @@ def test_one_slow_step_of_a_sibling_does_not_rule_it_out_for_good():
     assert p.current == best, ran[-20:]
 
 
+def test_a_sibling_whose_first_step_ran_slow_is_measured_again_within_a_few_plans():
+    """The H200 sweep (a = 0.8, C = 32): chain k=4's first two steps at batch 32 ran at 1.4x its
+    later ones, and auto ran chain k=8 and tree 2/4/8 for ~5 s (0.87x of chain k=4) before the
+    next challenge (one every 32 plans) measured it again. A rival whose one or two steps there
+    stand well above its kind's confirmed figures is measured again within a few plans."""
+    def draft(b, n):   # a fixed cost a step: the deepest chain is best, 5% above chain k=6
+        return 0.002 + 0.0003 * n
+
+    p, ids, _ = chains_measured(draft, 16, 0.8)
+    best = p.plan(ids, 0, 1, 0.0).choice
+    p, ids, true = chains_measured(draft, 16, 0.8, slow=best.name)
+    assert p.plan(ids, 0, 1, 0.0).choice != best     # its one slow step rules it out
+    assert p.calibration.suspect(best.kind, best.name, 16)
+    ran = serve(p, ids, true, steps=8)
+    assert best.name in ran and p.current == best, ran
+
+
 def test_one_slow_step_of_off_does_not_keep_speculation_standing():
     """The H100 sweep (a = 0.6, C = 32): off's only clean step at the 17-32 bucket (the first after
     a wave's prompts) took 11.8 ms where its steps take ~10.5, and off, priced so, lost to chains

@@ -95,6 +95,18 @@ class StepCalibration:
         kin = (n for names in self.kinds.get(kind, {}).values() for n in names)
         return (name, b) in self.samples or any((n, b) in self.samples for n in kin)
 
+    def suspect(self, kind: str, name: str, batch: int, tolerance: float = 0.1) -> bool:
+        """Whether a choice's own figure at this batch size's bucket rests on one or two steps and
+        stands more than `tolerance` above the median of its kind's figures confirmed there by
+        three steps (a batch size's first steps can run slow: see AutoPolicy.plan)."""
+        b = bucket(batch)
+        own = self.samples.get((name, b))
+        if not own or len(own) >= 3:
+            return False
+        kin = [_value(self.samples[(n, b)]) for names in self.kinds.get(kind, {}).values() for n in names
+               if n != name and len(self.samples.get((n, b), ())) >= 3]
+        return bool(kin) and _value(own) > (1 + tolerance) * statistics.median(kin)
+
     def ratio(self, kind: str, name: str, width: int, batch: int, optimistic: bool = False) -> float:
         """optimistic: a borrowed figure resting on fewer than three steps is only an upper bound;
         the next figure in order, down to the first one confirmed by three steps (with none: what

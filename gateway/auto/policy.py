@@ -156,7 +156,8 @@ class AutoPolicy:
     def __init__(self, costs: CostModel, book: AcceptanceBook, choices: list[Choice], switch_margin: float = 0.03,
                  speculation_margin: float = 0.05,
                  probe_start: int = 16, probe_max: int = 1024, min_observations: int = 5,
-                 challenge_every: int = 32, challenge_within: float = 0.25, min_measured: int = 3) -> None:
+                 challenge_every: int = 32, challenge_within: float = 0.25, min_measured: int = 3,
+                 remeasure_every: int = 2) -> None:
         """probe_start, probe_max: steps off between probes, first and at most (each `plan` call
         counts its `steps`);
         min_observations: verdicts the drafter needs before a plan trusts its acceptance (until
@@ -164,7 +165,9 @@ class AutoPolicy:
         family's best, a sibling or off, as the module docstring says), if predicted within
         `challenge_within` of the best, runs one step, so a choice that looked worse after a few
         unlucky verdicts or one slow step is measured again; min_measured:
-        measured steps that make a choice's step time at a batch size its own (not borrowed)."""
+        measured steps that make a choice's step time at a batch size its own (not borrowed);
+        remeasure_every: plans between the steps that measure again a rival whose one or two steps
+        at this batch size ran slow against its kind's there (StepCalibration.suspect)."""
         self.costs, self.book, self.choices = costs, book, choices
         self.calibration = StepCalibration(plain_kind=OFF.kind)
         self.tokens = TokenCalibration()
@@ -176,6 +179,8 @@ class AutoPolicy:
         self.min_observations, self.min_measured = min_observations, min_measured
         self.challenge_every, self.challenge_within = challenge_every, challenge_within
         self.plans_since_challenge = 0
+        self.plans_since_remeasure = 0
+        self.remeasure_every = remeasure_every
         self.challenges = 0
         self.last_challenged: dict[str, int] = {}   # _challenger(rival) -> the challenge that last ran it
         self.switch_margin, self.speculation_margin = switch_margin, speculation_margin
@@ -209,6 +214,9 @@ class AutoPolicy:
         best = self._best(scored, behind, remaining)
         self.current = best.choice
         self.plans_since_challenge += 1
+        self.plans_since_remeasure += 1
+        batch = len(seq_ids) + others
+        rival_choices, optimistic = [], True
         if self.plans_since_challenge >= self.challenge_every and best.choice != OFF:
             self.plans_since_challenge = 0
             # Rivals priced optimistically: a figure borrowed from a single step of a sibling (a
@@ -216,7 +224,6 @@ class AutoPolicy:
             # rivals priced from steps at this batch size (their own or their kind's): one priced
             # from other sizes alone can cost many steps' time here (drafts that contend 65x at
             # batch 32, measured at 4); that is for the plans' own exploring.
-            batch = len(seq_ids) + others
             rival_choices = [c for c in self.choices if c not in (OFF, best.choice)
                              and self.calibration.measured_here(c.kind, c.name, batch)
                              and (c.family != best.choice.family
@@ -228,8 +235,20 @@ class AutoPolicy:
             # chains for the rest of the row, and auto ran at 0.82x of off.
             if self.calibration.measured(OFF.name, batch) < self.min_measured:
                 rival_choices.append(OFF)
+        elif self.plans_since_remeasure >= self.remeasure_every and best.choice != OFF:
+            # A rival whose one or two steps at this batch size ran well above what its kind's
+            # confirmed choices run there is measured again soon, not at the next challenge (32
+            # plans on, ~250 steps): a batch size's first steps can run slow. On the H200 (a = 0.8,
+            # C = 32) chain k=4's first two steps there took 20.9 and 25.8 ms, its later ones 18-19;
+            # so priced, auto ran chain k=8 and tree 2/4/8 (28 and 25 ms a step for 10% more
+            # tokens) for ~5 s, at 0.87x of chain k=4. (Priced as measured, not optimistically.)
+            rival_choices = [c for c in self.choices
+                             if c != best.choice and self.calibration.suspect(c.kind, c.name, batch)]
+            if rival_choices:
+                self.plans_since_remeasure, optimistic = 0, False
+        if rival_choices:
             rivals = [p for p in self._scored(rival_choices, seq_ids, others, other_width, other_tokens, remaining,
-                                              optimistic=True)
+                                              optimistic=optimistic)
                       if p.tokens_per_second >= (1 - self.challenge_within) * best.tokens_per_second]
             if rivals:   # one step, not kept (like a probe)
                 # The rival challenged longest ago goes first, so each close one gets its turns
