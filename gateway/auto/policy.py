@@ -41,7 +41,8 @@ where its own step time there rests on fewer than three; the rival challenged lo
 and (off aside) only one priced from steps at this batch size. So a family is not abandoned on a
 few unlucky verdicts or on one slow step of a sibling, nor a sibling or off on one slow step of
 its own (rivals are priced with per-position acceptance errors and
-StepCalibration's optimistic figures).
+StepCalibration's optimistic figures). A rival whose one or two steps at this batch size ran well
+above its kind's confirmed figures there runs again within two plans (StepCalibration.suspect).
 """
 
 from __future__ import annotations
