@@ -263,11 +263,11 @@ class StepOverheads:
     charged there: it is then tried, and its own figure replaces it. (It once borrowed off's figure at
     that bucket only, else nothing: on the H100 at a = 0.8, C = 64, each wave's first prompts joined a
     batch of 8 under tree 2/4/8, its prompts charged nothing against off's 13 ms a step, in steps of
-    42-49 ms where off's took 27-30.) Off not yet measured at a bucket
-    takes its own figure at the nearest bucket (its prompts cost the verifier's prefill, about the
-    same at any batch size), never speculation's: off is not challenged, so a figure too high
-    would keep it from ever running there to measure its own (where speculation's prompts cost 3x
-    off's, a closed-loop simulation ran auto at 0.82x of off with it). With no figure of its own
+    42-49 ms where off's took 27-30.) Off not yet measured at a bucket takes its own figure at the
+    nearest bucket (its prompts cost the verifier's prefill, about the same at any batch size), never
+    speculation's: off is not challenged, so a figure too high would keep it from ever running there
+    to measure its own (where speculation's prompts cost 3x off's, a closed-loop simulation ran auto
+    at 0.82x of off with it). With no figure of its own
     anywhere, off is charged nothing. Off charged nothing at C = 32 on the H100 (a = 0.8) where it
     had cost 4.7 ms a prompt at 16, and its first wave there ran off for ~55 steps beside chain k=4
     priced at 7-8 ms a step for its prompts."""
