@@ -66,6 +66,35 @@ def test_no_acceptance_turns_speculation_off_and_probes_ever_less_often():
     assert all(b - a >= 2 * (d - c) for (a, b), (c, d) in zip(zip(late[1:], late[2:]), zip(late, late[1:])))
 
 
+def test_a_probe_of_a_batch_of_one_runs_the_likeliest_winner():
+    """While off, a probe in a batch of one is the whole step whatever it drafts, so it runs the
+    speculative choice rated best and corrects that family's estimate, not chain k=1 (which
+    measures only the chains' first position: a replay over recorded SmolLM2 verdicts sank into
+    off for good after a tree's unlucky start, 0.85 of the tree). In a larger batch a probe stays
+    one request drafting one token. Here a draft step costs twice a verify, so off wins at a = 0.5,
+    and a deep chain is the best of the rest."""
+    def dear_draft(b, n):
+        return 0.02 + 0.0001 * n
+
+    for batch, expected in ((1, None), (4, "chain k=1")):
+        p = policy(profile(memory_bound, dear_draft))
+        rng = np.random.default_rng(0)
+        ids = [f"r{i}" for i in range(batch)]
+        for sid in ids:
+            observe(p, sid, "chain", 0.5, 20, rng)
+        probes = []
+        for step in range(600):
+            plan = p.plan(ids, 0, 1, 0.0)
+            if plan.probe and step >= 100:   # (after the first measurements of every family)
+                probes.append(plan.choice.name)
+            for sid in plan.speculating:
+                observe(p, sid, plan.choice.family, 0.5, 1, rng, plan.choice.positions)
+        assert p.current == OFF and len(probes) >= 2, probes
+        best_speculative = max((x for x in p._scored(p.choices, ids, 0, 1, 0.0, None) if x.choice != OFF),
+                               key=lambda x: x.tokens_per_second).choice.name
+        assert best_speculative != "chain k=1" and probes[-1] == (expected or best_speculative), probes
+
+
 def test_high_acceptance_speculates_and_large_compute_bound_batches_do_not():
     def compute_bound(b, w):    # verification cost grows with every token from the start
         return 0.002 + 0.0002 * b * w

@@ -33,8 +33,9 @@ H200 a tree scored within a few percent of off at a = 0.8, C = 32 was chosen on 
 ran the closed loop at 0.80x of off. The policy keeps its current
 choice unless another is `switch_margin` better, so it does not flap between near-equal choices.
 A new drafter is first measured with cheap probes (one request drafts one token); when
-speculation is off the policy still probes now and then, the interval doubling while probes keep
-losing, so a rising acceptance is noticed; and now and then a close rival runs one step: one from
+speculation is off the policy still probes now and then (in a batch of one, with the speculative
+choice rated best), the interval doubling while probes keep losing, so a rising acceptance is
+noticed; and now and then a close rival runs one step: one from
 another acceptance family (a tree against a chain), or a sibling of the current choice (chain k=4
 against k=8) whose step time at this batch size rests on one or two steps of its own, or off
 where its own step time there rests on fewer than three; the rival challenged longest ago first,
@@ -267,6 +268,13 @@ class AutoPolicy:
             if self.steps_off >= self.probe_interval and probe is not None:   # look again, cheaply
                 self.steps_off = 0
                 self.probe_interval = min(self.probe_interval * 2, self.probe_max)
+                if len(seq_ids) + others == 1:
+                    # A batch of one: the probe is the whole step whatever it drafts, so it runs the
+                    # likeliest winner, whose family's estimate it then corrects. (chain k=1 alone
+                    # measured only the chains' first position: a replay over recorded SmolLM2
+                    # verdicts, the wide tree best at 1.17x of off, sank into off for good once tree
+                    # 8/7/64's third position went 0.49 over its first 30 verdicts: 0.85 of the tree.)
+                    probe = max((p for p in scored if p.choice != OFF), key=lambda p: p.tokens_per_second).choice
                 return self._probe(probe, seq_ids, others)
         elif best.choice != OFF:
             self.steps_off, self.probe_interval = 0, self.probe_start
