@@ -72,7 +72,7 @@ def test_a_probe_of_a_batch_of_one_runs_the_likeliest_winner():
     measures only the chains' first position: a replay over recorded SmolLM2 verdicts sank into
     off for good after a tree's unlucky start, 0.85 of the tree). In a larger batch a probe stays
     one request drafting one token. Here a draft step costs twice a verify, so off wins at a = 0.5,
-    and a deep chain is the best of the rest."""
+    and a deep draft (tree 8/7/64) is the best of the rest."""
     def dear_draft(b, n):
         return 0.02 + 0.0001 * n
 
