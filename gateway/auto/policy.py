@@ -268,7 +268,7 @@ class AutoPolicy:
             if self.steps_off >= self.probe_interval and probe is not None:   # look again, cheaply
                 self.steps_off = 0
                 self.probe_interval = min(self.probe_interval * 2, self.probe_max)
-                if len(seq_ids) + others == 1:
+                if batch == 1:
                     # A batch of one: the probe is the whole step whatever it drafts, so it runs the
                     # likeliest winner, whose family's estimate it then corrects. (chain k=1 alone
                     # measured only the chains' first position: a replay over recorded SmolLM2
