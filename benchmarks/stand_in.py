@@ -33,8 +33,10 @@ from drafter_svc.types import ChainShape, Draft, DrafterStep, DrafterStepResult
 from specdec.cost_profile import (AUTO_CHAIN_KS, AUTO_TREES, VERIFY_WIDTHS, StepCost, chain_shape, predraft_shape,
                                   tree_shape)
 from specdec.draft_tree import DraftTree
+from specdec.env import env_flag
 from specdec.errors import SequenceError
 from specdec.log import configure_logging
+from specdec.malloc_tuning import keep_freed_memory
 from specdec.rpc import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specdec.serving import run, serve
 from specdec.sequence_table import SequenceTable
@@ -246,6 +248,8 @@ def main(argv: list[str] | None = None) -> None:
         register, pb2 = (lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s)), drafter_pb2
     log.info("stand-in engine", base_ms=a.base_ms, per_row_ms=a.per_row_ms, aux_width=a.aux_width)
     service = pb2.DESCRIPTOR.services_by_name[a.role.capitalize()].full_name
+    if env_flag("MALLOC_TUNING") is not False:   # as the real services do once serving (--malloc-tuning)
+        keep_freed_memory(log)
     run(serve(a.listen, register, service, log))
 
 

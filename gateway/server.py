@@ -16,6 +16,7 @@ from gateway.servicer import GatewayServicer
 from gateway.validation import RequestValidator
 from specdec.config import GatewayConfig
 from specdec.log import configure_logging
+from specdec.malloc_tuning import keep_freed_memory
 from specdec.metrics import start_metrics
 from specdec.rpc import gateway_pb2, gateway_pb2_grpc
 from specdec.serving import ServingState, freeze_startup_objects, run, serve, wait_idle
@@ -61,6 +62,8 @@ def run_gateway(cfg: GatewayConfig) -> None:
 
         tasks.add(asyncio.get_running_loop().create_task(router.run(cfg.resolve_interval, report)))
         freeze_startup_objects(log)
+        if cfg.malloc_tuning:
+            keep_freed_memory(log)
         await state.set_serving(True)
         log.info("backends ready", verifiers=len(router.verifiers.healthy()),
                  drafters=len(router.drafters.healthy()) if router.drafters else 0, max_context=max_context)

@@ -80,6 +80,7 @@ class EngineServiceConfig:
     hidden_states_fp8: bool = False  # verifier: verdicts carry hidden states packed to float8 (cuda default)
     project_hidden_states: Path | None = None  # verifier: an EAGLE-3 head whose fc projects the rows sent
     projected_hidden_states: bool = False      # drafter (EAGLE-3): the verifier applies the head's fc
+    malloc_tuning: bool = True       # once serving, large freed blocks stay for reuse (specdec/malloc_tuning.py)
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, role: str) -> None:
@@ -106,6 +107,7 @@ class EngineServiceConfig:
                             "may use; `specdec serve` gives its verifier and drafter shares of the cores)")
         add_metrics_argument(p, key)
         add_drain_argument(p)
+        add_malloc_argument(p)
         add_server_tls_arguments(p)
         p.add_argument("--cost-profile", action=argparse.BooleanOptionalAction,
                        default=env("COST_PROFILE", "1") not in ("0", "false", "no"),
@@ -192,7 +194,7 @@ class EngineServiceConfig:
                    getattr(a, "hedge_predrafts", False), on_cuda_unless_set(a, "fold_prefill"),
                    on_cuda_unless_set(a, "hidden_states_fp8"),
                    Path(a.project_hidden_states) if getattr(a, "project_hidden_states", None) else None,
-                   bool(getattr(a, "projected_hidden_states", False)))
+                   bool(getattr(a, "projected_hidden_states", False)), a.malloc_tuning)
 
 
 def on_cuda_unless_set(a: argparse.Namespace, flag: str) -> bool:
@@ -215,6 +217,14 @@ def add_drain_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-seconds", type=float, default=float(env("DRAIN_SECONDS", "25")),
                    help="on SIGTERM/SIGINT: stop admitting, give in-flight work this long to finish, then exit "
                         "(env SPECDEC_DRAIN_SECONDS; keep it below compose's stop_grace_period, 30 s)")
+
+
+def add_malloc_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--malloc-tuning", action=argparse.BooleanOptionalAction,
+                   default=env_flag("MALLOC_TUNING") is not False,
+                   help="once serving, glibc keeps large freed blocks for reuse instead of mapping them afresh each "
+                        "step (a wave's hidden-state rows cost several times their copies otherwise); a process then "
+                        "keeps up to 1 GiB of freed memory (env SPECDEC_MALLOC_TUNING; default on)")
 
 
 def add_auth_arguments(p: argparse.ArgumentParser) -> None:
@@ -272,6 +282,7 @@ class GatewayConfig:
     backend_wait_seconds: float = 10.0     # how long requests wait for a healthy verifier before UNAVAILABLE
     admit_fraction: float = 0.125          # waiting prompts join a running batch once they are this share of it
     admit_max_wait_steps: int = 4          # ... or once the oldest has waited this many steps (0: at once)
+    malloc_tuning: bool = True             # once serving, large freed blocks stay for reuse (specdec/malloc_tuning.py)
 
     @property
     def auth(self) -> bool:
@@ -299,6 +310,7 @@ class GatewayConfig:
                             "measured acceptance and step costs; see README)")
         add_metrics_argument(p, "GATEWAY")
         add_drain_argument(p)
+        add_malloc_argument(p)
         add_server_tls_arguments(p)
         add_backend_tls_arguments(p)
         add_auth_arguments(p)
@@ -346,4 +358,5 @@ class GatewayConfig:
                    auth_tokens_file=Path(a.auth_tokens_file) if a.auth_tokens_file else None,
                    auth_tokens=tuple(t.strip() for t in (env("AUTH_TOKENS") or "").split(",") if t.strip()),
                    max_request_bytes=a.max_request_bytes, backend_wait_seconds=a.backend_wait_seconds,
-                   admit_fraction=a.admit_fraction, admit_max_wait_steps=a.admit_max_wait_steps)
+                   admit_fraction=a.admit_fraction, admit_max_wait_steps=a.admit_max_wait_steps,
+                   malloc_tuning=a.malloc_tuning)

@@ -11,6 +11,7 @@ import torch
 from specdec.config import EngineServiceConfig
 from specdec.cpu_threads import engine_executor, rank_threads, use_threads
 from specdec.log import configure_logging
+from specdec.malloc_tuning import keep_freed_memory
 from specdec.metrics import start_metrics
 from specdec.model.cuda_graphs import verify_query_lens
 from specdec.model.loader import DTYPES
@@ -144,6 +145,8 @@ def run_engine_service(cfg: EngineServiceConfig) -> None:
             raise SystemExit(f"{cfg.role}: graph capture or warm-up failed, the engine cannot serve: {exc} "
                              "(--no-cuda-graphs serves without graphs)") from exc
         freeze_startup_objects(log)
+        if cfg.malloc_tuning:
+            keep_freed_memory(log)
         await state.set_serving(True)
         log.info("ready")
 

@@ -1,6 +1,7 @@
 """Verifier options whose default depends on the device: --hidden-states-fp8 and --fold-prefill
 are on where the verifier runs on cuda (measured there, BENCHMARKS.md) and off on cpu. A flag or
-its SPECDEC_* variable, either way, wins over the default."""
+its SPECDEC_* variable, either way, wins over the default. So does
+--malloc-tuning's, on everywhere."""
 
 from __future__ import annotations
 
@@ -49,3 +50,18 @@ def test_a_drafter_has_neither():
     args.device = "cuda"
     cfg = EngineServiceConfig.from_args(args, "drafter", Path("/model"))
     assert not cfg.fold_prefill and not cfg.hidden_states_fp8
+
+
+def test_malloc_tuning_on_unless_turned_off(monkeypatch):
+    from specdec.config import GatewayConfig
+
+    def gateway(argv: list[str]) -> GatewayConfig:
+        p = argparse.ArgumentParser()
+        GatewayConfig.add_arguments(p)
+        return GatewayConfig.from_args(p.parse_args(argv), Path("/tokenizer"))
+
+    assert verifier([], "cuda").malloc_tuning and gateway([]).malloc_tuning
+    assert not verifier(["--no-malloc-tuning"], "cuda").malloc_tuning
+    monkeypatch.setenv("SPECDEC_MALLOC_TUNING", "0")
+    assert not verifier([], "cpu").malloc_tuning and not gateway([]).malloc_tuning
+    assert verifier(["--malloc-tuning"], "cpu").malloc_tuning

@@ -34,7 +34,10 @@ def test_engines_serve_after_a_warm_up_that_leaves_no_trace(checkpoints, start_c
         log = (cluster.log_dir / f"{name}.log").read_text()
         # start-up's objects leave the collector's reach before SERVING (specdec.serving.freeze_startup_objects)
         assert log.index("warming up") < log.index("start-up objects frozen") < log.index("ready"), name
-    assert "start-up objects frozen" in (cluster.log_dir / "gateway.log").read_text()
+        # and malloc keeps large blocks for reuse from then on (specdec/malloc_tuning.py)
+        assert log.index("warming up") < log.index("malloc keeps large freed blocks") < log.index("ready"), name
+    gateway_log = (cluster.log_dir / "gateway.log").read_text()
+    assert "start-up objects frozen" in gateway_log and "malloc keeps large freed blocks" in gateway_log
 
 
 def test_frozen_start_up_objects_leave_later_garbage_collectable():
