@@ -176,9 +176,10 @@ class Scheduler:
                                    len(self.active), carried)
         # Where a step's time went, one line a step (SPECDEC_LOG_LEVEL=debug; scripts/auto_log_summary.py
         # sums them by what the step did).
-        self.log.debug("scheduler step", batch=len(continuing), admitted=len(opens), drafting=len(need),
-                       predrafting=len(overlap), prefilling=prefilling, released=released, committed=committed,
-                       ms=round((time.perf_counter() - t0) * 1e3, 2), draft_ms=round(draft[0] * 1e3, 2),
+        self.log.debug("scheduler step", step=self.step_no, batch=len(continuing), admitted=len(opens),
+                       drafting=len(need), predrafting=len(overlap), prefilling=prefilling, released=released,
+                       committed=committed, ms=round((time.perf_counter() - t0) * 1e3, 2),
+                       draft_ms=round(draft[0] * 1e3, 2),
                        draft_engine_ms=round(draft[1] * 1e3, 2), verify_ms=round(verify_rtt * 1e3, 2),
                        verify_engine_ms=round(verdicts.engine_seconds * 1e3, 2),
                        predraft_ms=round(predraft[0] * 1e3, 2))
