@@ -7,6 +7,7 @@ from __future__ import annotations
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -44,3 +45,12 @@ def test_once_tuned_a_large_block_comes_from_the_heap():
     assert mb >= 64   # glibc's default: a fresh mapping for the buffer
     mb, lines = _mapped_mb("tuned")
     assert mb == 0 and "keeps large freed blocks" in lines
+
+
+def test_the_step_messages_benchmark_reports_every_hop_both_ways():
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_step_messages.py"
+    out = subprocess.run([sys.executable, str(script), "--batch", "2", "--repeats", "2"], check=True,
+                         capture_output=True, text=True).stdout
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 2 |")]
+    assert len(rows) == 10 and rows[-1][1] == "**all**"
+    assert all(float(r[2].strip("*")) > 0 and float(r[3].strip(" |*")) > 0 for r in rows)
