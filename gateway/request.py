@@ -72,7 +72,7 @@ class Event:
 
     sample_index: int = 0
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    text: str | None = ""                     # None: not decoded yet (the handler decodes token_ids)
     finish_reason: str | None = None          # set on the last event
     error: tuple[str, str] | None = None      # (grpc status name, message)
 

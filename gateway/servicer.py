@@ -13,7 +13,7 @@ import structlog
 
 from gateway import metrics
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.request import ActiveRequest, GenerationRequest, InvalidRequest
+from gateway.request import ActiveRequest, Event, GenerationRequest, InvalidRequest
 from gateway.router import NoBackend, QueueFull, Router
 from gateway.validation import RequestValidator
 from specdec.rpc import gateway_pb2, gateway_pb2_grpc
@@ -105,7 +105,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     if ev.sample_index not in first:
                         first[ev.sample_index] = now
                         metrics.TTFT.observe(now - started)
-                msg = gateway_pb2.GenerateResponse(token_ids=ev.token_ids, text=ev.text, sample_index=ev.sample_index)
+                text = ev.text if ev.text is not None else self._decode(samples[ev.sample_index], ev)
+                msg = gateway_pb2.GenerateResponse(token_ids=ev.token_ids, text=text, sample_index=ev.sample_index)
                 if ev.finish_reason is not None:
                     r = samples[ev.sample_index]
                     if r.generated > 1:
@@ -119,6 +120,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             for r in samples:
                 if not r.finished:  # client cancel, deadline or a failed sibling: free it everywhere
                     self.router.cancel(r)
+
+    @staticmethod
+    def _decode(r: ActiveRequest, ev: Event) -> str:
+        """The text of an event the scheduler left undecoded (a request without stop strings)."""
+        text, _ = r.detok.add(ev.token_ids)
+        return text + r.detok.finish() if ev.finish_reason is not None else text
 
     @staticmethod
     def _final(r: ActiveRequest, reason: str) -> gateway_pb2.FinalInfo:
