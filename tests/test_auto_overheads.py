@@ -21,7 +21,7 @@ from specdec.sampling_params import GREEDY
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
-def test_overheads_are_a_kinds_excess_per_admitted_prompt_and_borrow_offs():
+def test_overheads_are_a_kinds_excess_per_admitted_prompt_and_borrow_the_nearest():
     o = StepOverheads(window=16, min_prompts=8)
     for _ in range(7):
         o.observe(False, 32, 0.002, 1, prefilling=True)
@@ -39,6 +39,10 @@ def test_overheads_are_a_kinds_excess_per_admitted_prompt_and_borrow_offs():
     assert o.per_admission(False, 32) == pytest.approx(0.002)
     o.observe(False, 2, 0.012, 8, prefilling=False)          # off at batch 2: nearer 4 than 32 is
     assert o.per_admission(False, 4) == pytest.approx(0.0015)
+    # Speculation unmeasured at a size: its own figure at the nearest size that has one...
+    assert o.per_admission(True, 16) == pytest.approx(0.08 / 16)
+    o.observe(False, 8, 0.08, 8, prefilling=False)            # off's prompts at 8: 10 ms each
+    assert o.per_admission(True, 8) == pytest.approx(0.01)    # ... never below what off is charged there
     for _ in range(513):   # a spell of other buckets: speculation's old figures expire, off's stand
         o.tick()
     assert o.per_admission(False, 32) == pytest.approx(0.002)

@@ -259,11 +259,15 @@ class StepOverheads:
     priced off at its clean steps (H100, C = 32: 3,200 tok/s where off ran 2,440, and auto ran off
     there at 0.92x of chain k=4). Before groups, the excess of steps after a wave admitted beside
     few requests was charged to the few prompts of an earlier group at the wave's batch (24 ms a
-    prompt where they cost 3-4 ms). Speculation not yet measured at a bucket borrows what off is
-    charged there: it is then tried, and its own figure replaces it. (It once borrowed off's figure at
-    that bucket only, else nothing: on the H100 at a = 0.8, C = 64, each wave's first prompts joined a
+    prompt where they cost 3-4 ms). Speculation not yet measured at a bucket borrows its own figure
+    at the nearest bucket that has one, never less than what off is charged there (a speculating
+    step admits a prompt as a plain one does and also ships its rows to the drafter, which takes them
+    in): it is then tried, and its own figure replaces it. (It once borrowed off's figure at that
+    bucket only, else nothing: on the H100 at a = 0.8, C = 64, each wave's first prompts joined a
     batch of 8 under tree 2/4/8, its prompts charged nothing against off's 13 ms a step, in steps of
-    42-49 ms where off's took 27-30.) Off not yet measured at a bucket takes its own figure at the
+    42-49 ms where off's took 27-30. Then off's alone: on the H100 at C = 64, where auto seldom
+    speculated, its prompts were charged 2.9 ms where they cost 3.8 and off's 2.2, clean chain k=4
+    steps looked 33% ahead of off's, and auto kept switching to it, at 0.87x of off.) Off not yet measured at a bucket takes its own figure at the
     nearest bucket (its prompts cost the verifier's prefill, about the same at any batch size), never
     speculation's: off is not challenged, so a figure too high would keep it from ever running there
     to measure its own (where speculation's prompts cost 3x off's, a closed-loop simulation ran auto
@@ -339,11 +343,17 @@ class StepOverheads:
         return self.cached[key]
 
     def _per_admission(self, speculating: bool, b: int) -> float:
-        if speculating:   # its own figure, else what off would be charged here
+        if speculating:   # its own figure here, else its own nearest, never below what off is charged here
             own = self._figure((True, b))
-            return own if own is not None else self._per_admission(False, b)
-        for x in nearest_first({x for kind, x in self.groups if not kind}, b):   # off's own, nearest first
-            figure = self._figure((False, x))
+            if own is not None:
+                return own
+            return max(self._nearest(True, b), self._per_admission(False, b))
+        return self._nearest(False, b)
+
+    def _nearest(self, speculating: bool, b: int) -> float:
+        """The kind's own figure at the bucket nearest b that has one (0 where none has)."""
+        for x in nearest_first({x for kind, x in self.groups if kind == speculating}, b):
+            figure = self._figure((speculating, x))
             if figure is not None:
                 return figure
         return 0.0
