@@ -31,7 +31,6 @@ from gateway.dialer import BackendDialer
 from gateway.hold import NO_HOLD, POLL_SECONDS, HoldGate
 from gateway.release_budget import ReleaseBudget
 from gateway.request import ActiveRequest, Event, Mode, PreDraft
-from specdec.draft_tree import DraftTree
 from specdec.errors import ErrorCode
 from specdec.rpc import common_pb2, drafter_pb2, verifier_pb2
 from specdec.rpc.convert import error_from_proto, sampling_to_proto, tree_from_proto, tree_to_proto
@@ -151,8 +150,9 @@ class Scheduler:
                 seq_id=r.seq_id, prompt_ids=r.tokens, sampling=sampling_to_proto(r.sampling),
                 share_prefill_with=r.prefill_leader if r.prefill_leader in opened else "",
                 want_hidden_states=r.speculates) for r in opens],
+            # (no draft: the field left unset, an empty tree to the verifier, built for no request)
             verify=[verifier_pb2.VerifyItem(seq_id=r.seq_id, committed_len=len(r.tokens),
-                                            draft=tree_to_proto(r.draft or DraftTree())) for r in continuing],
+                                            draft=tree_to_proto(r.draft) if r.draft else None) for r in continuing],
             close=self.close_verifier,
             stop_hidden_states=self.stop_hidden,
             hold_hidden_states=self._held_ids(),
