@@ -12,6 +12,10 @@ took 1.2 ms (batch 32, 0.5 MB: 0.58 ms; batch 16: 0.01 ms), 0.06 ms with the set
 serialized, parsed, decoded), 15 ms with them. The settings: no mmap for large blocks, the heap's
 top trimmed only above 1 GiB.
 
+Through the services on the GPU host the gain is smaller than those hops suggest (the services'
+own allocations in between mostly keep the heap's top in use): chain k=4 / off 1.10x -> 1.12x at
+C = 32 and 0.92x -> 0.94x at C = 64 (H100, fp8 rows, within the runs' noise; BENCHMARKS.md).
+
 Applied when a service has loaded its model and turns to serving, so what start-up frees (a
 checkpoint read through host memory) still goes back to the kernel. The cost: a process keeps
 up to the trim threshold of freed memory on top of its peak, as an allocator that pools does.

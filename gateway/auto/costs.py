@@ -267,7 +267,8 @@ class StepOverheads:
     batch of 8 under tree 2/4/8, its prompts charged nothing against off's 13 ms a step, in steps of
     42-49 ms where off's took 27-30. Then off's alone: on the H100 at C = 64, where auto seldom
     speculated, its prompts were charged 2.9 ms where they cost 3.8 and off's 2.2, clean chain k=4
-    steps looked 33% ahead of off's, and auto kept switching to it, at 0.87x of off.) Off not yet measured at a bucket takes its own figure at the
+    steps looked 33% ahead of off's, and auto kept switching to it, at 0.87x of off.) Off not yet
+    measured at a bucket takes its own figure at the
     nearest bucket (its prompts cost the verifier's prefill, about the same at any batch size), never
     speculation's: off is not challenged, so a figure too high would keep it from ever running there
     to measure its own (where speculation's prompts cost 3x off's, a closed-loop simulation ran auto
