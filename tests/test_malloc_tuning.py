@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"),
-                                reason="glibc's mallopt")
+LIBC, LIBC_VERSION = platform.libc_ver()
+pytestmark = pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and LIBC == "glibc"
+         and tuple(map(int, LIBC_VERSION.split(".")[:2])) >= (2, 33)),
+    reason="glibc's mallopt, and its mallinfo2 (glibc >= 2.33) to check it")
 
 # Allocates a 64 MB buffer (the size of a wave's hidden-state rows at C = 64) and prints how many
 # MB of mmapped blocks that added (glibc's mallinfo2, glibc >= 2.33; its fields are size_t).
