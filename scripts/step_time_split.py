@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -23,9 +22,8 @@ from statistics import mean
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # allow running without installing
 
 from gateway.auto.costs import bucket  # noqa: E402
-from scripts.auto_log_summary import by_mode  # noqa: E402
+from scripts.auto_log_summary import _FIELD, by_mode  # noqa: E402
 
-_FIELD = re.compile(r"(\w+)=('[^']*'|\S+)")
 SIDE = ("decode_ms", "thread_ms", "encode_ms")
 
 
