@@ -73,7 +73,11 @@ class ControlledRewrite:
         self._by_prompt: dict[int, dict[tuple[int, ...], int]] = {}
         for i, (prompt, _) in enumerate(refs):
             self._by_prompt.setdefault(len(prompt), {}).setdefault(tuple(prompt), i)
-        self._seeds = np.array([prompt_seed(control.seed, p) for p, _ in refs], dtype=np.int64)
+        seeds = np.array([prompt_seed(control.seed, p) for p, _ in refs], dtype=np.int64)
+        # Each reference position's keep draw, once: a step then only looks them up  [R, W]
+        positions = np.broadcast_to(np.arange(self._table.shape[1]), self._table.shape)
+        self._keep = (uniforms(seeds, positions, KEEP) < control.acceptance if len(refs)
+                      else np.zeros(self._table.shape, dtype=bool))
 
     def close(self, seq_ids: list[str]) -> None:
         super().close(seq_ids)  # the engine's
@@ -107,19 +111,22 @@ class ControlledRewrite:
         n = 1 + max(len(d.tree) for d in drafts)
         # node 0 = the root (the last context token, not rewritten), then the draft nodes, padded  [B, n]
         tokens = np.array([[0, *d.tree.token_ids, *[0] * (n - 1 - len(d.tree))] for d in drafts], dtype=np.int64)
-        parents = np.array([[-1, *d.tree.parents, *[-1] * (n - 1 - len(d.tree))] for d in drafts], dtype=np.int64)
-        ancestors, depth = tree_structure(parents, max(d.tree.shape()[0] for d in drafts))
         node = np.arange(n)[None, :]
         real = (node >= 1) & (node < np.array([1 + len(d.tree) for d in drafts])[:, None])   # draft nodes
+        if all(d.tree.parents == list(range(len(d.tree))) for d in drafts):   # chains: the path is every node
+            depth, on_path = np.broadcast_to(node, tokens.shape), real
+        else:
+            parents = np.array([[-1, *d.tree.parents, *[-1] * (n - 1 - len(d.tree))] for d in drafts], dtype=np.int64)
+            ancestors, depth = tree_structure(parents, max(d.tree.shape()[0] for d in drafts))
+            deepest = np.where(real, depth, -1).argmax(1)                     # first node of maximal depth
+            on_path = ancestors[np.arange(len(drafts)), deepest] & real       # it and its ancestors
         # The root is the last context token (position L + A - 1); a node at depth d sits d past it.
         base = np.array([d.committed_len + d.assumed_len - 1 for d in drafts], dtype=np.int64)
         pos = base[:, None] + depth                                           # [B, n]
-        table = self._table[rows]                                             # [B, W]
-        ref = np.take_along_axis(table, np.minimum(pos, table.shape[1] - 1), 1)
-        has_ref = real & (pos < table.shape[1]) & (ref >= 0)
-        deepest = np.where(real, depth, -1).argmax(1)                         # first node of maximal depth
-        on_path = ancestors[np.arange(len(drafts)), deepest] & real           # it and its ancestors
-        keep = uniforms(self._seeds[rows], pos, KEEP) < self._control.acceptance
+        at = np.minimum(pos, self._table.shape[1] - 1)
+        ref = self._table[rows[:, None], at]
+        keep = self._keep[rows[:, None], at]
+        has_ref = real & (pos < self._table.shape[1]) & (ref >= 0)
         other = np.where(tokens == ref, (ref + 1) % self.table.vocab_size, tokens)
         new = np.where(has_ref, np.where(on_path & keep, ref, other), tokens)
         for d, row in zip(drafts, new[:, 1:].tolist()):
