@@ -76,14 +76,17 @@ def checkpoint_root(a: argparse.Namespace) -> tuple[Path, bool]:
 
 
 def machine(device: str) -> tuple[str, str]:
-    """(machine description, GPU name or "CPU")."""
+    """(machine description, GPU name or "CPU"); the description names the CPU and how fast it runs
+    the services' Python (benchmarks/host_speed.py): GPU hosts of one kind differ in it."""
     import os
-    import platform
 
+    from benchmarks.host_speed import cpu_model, host_python_ms
+
+    host = f"{cpu_model()}, host Python {host_python_ms():.1f} ms"
     if device == "cuda":
         name = torch.cuda.get_device_name()
-        return f"{name} ({os.cpu_count()} CPU cores)", name
-    return f"{platform.machine()} CPU, {os.cpu_count()} cores, no GPU", "CPU"
+        return f"{name} ({os.cpu_count()} CPU cores: {host})", name
+    return f"{os.cpu_count()} CPU cores ({host}), no GPU", "CPU"
 
 
 def versions() -> dict:

@@ -145,6 +145,24 @@ def test_controlled_eagle3_drafter_rewrites_the_heads_drafts(checkpoints, tmp_pa
         assert len(kept) == 48 and lo <= sum(kept) / len(kept) <= hi, (a, sum(kept) / len(kept))
 
 
+def test_the_machine_line_names_the_cpu_and_its_python_speed(monkeypatch):
+    """Runs from hosts of one GPU kind differ in their host Python speed: the machine line records
+    the CPU and benchmarks/host_speed.py's figure, which grows when the host runs Python slower."""
+    import re
+
+    from benchmarks import host_speed
+
+    desc, gpu = run.machine("cpu")
+    assert gpu == "CPU" and host_speed.cpu_model() in desc
+    fast = float(re.search(r"host Python ([0-9.]+) ms", desc).group(1))
+    assert fast > 0
+
+    real = host_speed._workload
+    monkeypatch.setattr(host_speed, "_workload", lambda: (real(), real(), real()))   # a host 3x as slow
+    slow = float(re.search(r"host Python ([0-9.]+) ms", run.machine("cpu")[0]).group(1))
+    assert slow > 2 * fast, (fast, slow)
+
+
 def test_host_keep_draws_equal_the_tensor_draws():
     """The controlled drafter draws its keeps with numpy on the host: the same counter-based
     draws as the torch path (seeds across the whole int64 range, positions past 2**32)."""
