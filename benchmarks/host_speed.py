@@ -2,9 +2,9 @@
 
 A speculative step's time outside the GPU (the gateway's bookkeeping, message conversion, the
 drafter's and verifier's host preparation) is per-request Python, and GPU machines of one kind
-differ in it: two H100 hosts a session apart ran the same build's chain k=4 step at batch 32 in
-21.6 and 25.7 ms, mode off's in 9.4 and 10.5, and the dev VM runs the gateway's step work 3-5x
-faster than either. Comparing runs from different hosts needs this figure.
+differ in it: on two H100 hosts a session apart a chain k=4 step at batch 32 took 21.6 and 25.7
+ms (the builds differed only off the GPU), mode off's 9.4 and 10.5, and the second host ran this
+workload 3.5-4x slower than the dev VM. Comparing runs from different hosts needs this figure.
 
 The workload is fixed: per-request records built, looked up and updated the way a step treats its
 batch (dicts, lists, small objects), no I/O, no C extensions. Its median wall time over a few
