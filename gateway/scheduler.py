@@ -241,7 +241,7 @@ class Scheduler:
                 r.tokens = list(r.req.prompt_ids)
             r.opening = True
             if r.auto and self.auto is not None:
-                self.auto.admit(r)
+                self.auto.admit(r, batch)
                 r.rows_held = r.speculates and not r.scout and self.auto.holds_admissions(batch)
             self.active[r.seq_id] = r
             opens.append(r)
@@ -282,7 +282,8 @@ class Scheduler:
                 concat_payloads(r.hidden_rows, item.hidden_states)
                 r.hidden_rows = []
             r.drafter_len = len(r.tokens)
-        stream = self.drafters.get(address) or self.drafters.setdefault(address, StepStream("drafter", address, self.dialer))
+        stream = self.drafters.get(address) or self.drafters.setdefault(
+            address, StepStream("drafter", address, self.dialer))
         try:
             resp, rtt = await timed(stream.step(msg))
         except BackendLost as exc:

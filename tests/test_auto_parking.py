@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from gateway.auto.controller import AutoController, draft_family
+from gateway.auto.controller import AutoController, draft_family, step_width
 from gateway.release_budget import ReleaseBudget
 from gateway.request import ActiveRequest, GenerationRequest, Mode, SpecSettings
 from specdec.cost_profile import AUTO_CHAIN_KS, AUTO_TREES, VERIFY_WIDTHS, StepCost, chain_shape, predraft_shape, \
@@ -395,3 +395,52 @@ def test_speculation_pays_for_a_batch_that_drafts_where_a_lone_request_would_not
     alone = policy.plan(["s0"], 12, 1, 12.0)
     assert alone.choice.mode == Mode.OFF
     assert not measured_policy(0.1).pays_for_a_batch(13)
+
+
+def test_a_batch_size_where_off_settled_stays_settled_across_the_waves_ramps():
+    """Probing is counted per batch bucket: a wave's ramp, whose small batches speculate, does not
+    restart it where off wins. Settled off at batch 64, the next wave's requests run at batch 8
+    (speculating, not parked), and once the batch is back at 64 they and the prompts admitted there
+    are parked at once: no hidden states held for a switch that does not pay. (With one count each
+    ramp reset it: on the H100 at a = 0.8, C = 64 auto ran off at batch 64 holding every request's
+    rows, +1.2 ms a step, at 0.92x of off.)"""
+    def verify_seconds(width: int, batch: int) -> float:   # grows faster than its tokens
+        return 0.01 + 0.00002 * (width * batch) ** 1.5
+
+    def serve(reqs: list[ActiveRequest], steps: int) -> None:
+        """Every draft accepted whole; each step takes what the profile says it does."""
+        for _ in range(steps):
+            auto.plan(reqs)
+            width = max(step_width(r.settings, r.mode) for r in reqs)
+            for r in reqs:
+                depth = r.settings.k if r.mode == Mode.CHAIN else r.settings.depth if r.mode == Mode.TREE else 0
+                r.draft_family = draft_family(r.settings, r.mode)
+                auto.observe_verdict(r, depth, depth)
+            auto.observe_step(verify_seconds(width, len(reqs)) + 0.002 * (width > 1))
+
+    auto = controller(True, verify_seconds)
+    ramp = [request(i) for i in range(8)]
+    for r in ramp:
+        auto.admit(r, 8)
+    serve(ramp, 20)
+    assert any(r.mode != Mode.OFF for r in ramp) and not auto.settled_off(8)
+    top = [request(100 + i) for i in range(64)]
+    for r in top:
+        auto.admit(r, 64)
+    serve(top, 200)    # off at 64, its probes lose: settled there
+    assert auto.settled_off(64) and all(r.mode == Mode.OFF for r in top)
+    auto.take_parked()
+
+    ramp = [request(200 + i) for i in range(8)]       # the next wave
+    for r in ramp:
+        auto.admit(r, 8)
+    assert not any(r.parked for r in ramp)
+    serve(ramp, 20)
+    assert any(r.mode != Mode.OFF for r in ramp) and not auto.settled_off(8) and auto.settled_off(64)
+    joined = [request(300 + i) for i in range(56)]
+    for r in joined:
+        auto.admit(r, 64)
+    assert sum(not r.parked for r in joined) <= 1 and not auto.holds_admissions(64)   # (one may scout)
+    auto.plan(ramp + joined)
+    parked = auto.take_parked()
+    assert set(map(id, ramp)) <= set(map(id, parked)) and all(r.mode == Mode.OFF for r in ramp + joined)

@@ -87,7 +87,7 @@ class AutoController:
         return self.policies[overlap_allowed]
 
     # ---- admission ---------------------------------------------------------------------------
-    def admit(self, r: ActiveRequest) -> None:
+    def admit(self, r: ActiveRequest, batch: int | None = None) -> None:
         """Keeping an auto request ready to draft has a price with an EAGLE-3 drafter even while it
         does not draft: every verdict carries its hidden states (copied off the GPU, sent, held by
         the gateway), a large share of a small target's step. Once auto has settled on off (its
@@ -97,8 +97,9 @@ class AutoController:
         states, the next plan probes it (one step drafting one token), and once that has run it is
         parked too if auto is still settled on off, unless its drafts would pay for a whole batch of
         requests that can draft (see reopen). So scouting costs a few steps per probe, and a turn
-        in acceptance or load is still noticed."""
-        if not (self.hidden_states and self.settled_off()) or self.open_steps > 0:
+        in acceptance or load is still noticed. batch: the batch it joins (settled there; None: at the
+        last plans' batch sizes)."""
+        if not (self.hidden_states and self.settled_off(batch)) or self.open_steps > 0:
             return
         if self.scout is None and self.steps_settled >= min(p.probe_interval for p in self._auto_policies()):
             self.scout, self.scout_probed, self.steps_settled = r, False, 0
@@ -116,7 +117,7 @@ class AutoController:
         batch size because load comes in waves: a wave of prompts arriving after a quiet spell in
         which speculation ran must not ship its rows (at C = 32, 8B-shaped fp8 rows: 25 MB in
         one step) where auto already found that off wins."""
-        if not self.hidden_states or (self.settled_off() and self.open_steps <= 0):
+        if not self.hidden_states or (self.settled_off(batch) and self.open_steps <= 0):
             return False
         known = self.choice_at.get(bucket(batch))
         if known is not None:
@@ -159,10 +160,13 @@ class AutoController:
         parked, self.parked_running = self.parked_running, []
         return parked
 
-    def settled_off(self) -> bool:
-        """Every policy chooses off and has seen a probe lose since it did."""
+    def settled_off(self, batch: int | None = None) -> bool:
+        """Every policy chooses off at this batch size and has seen a probe lose there since it did
+        (AutoPolicy.settled_off_at); batch None: at each policy's last planned batch size."""
         policies = self._auto_policies()
-        return bool(policies) and all(p.settled_off for p in policies)
+        if batch is None:
+            return bool(policies) and all(p.settled_off for p in policies)
+        return bool(policies) and all(p.settled_off_at(bucket(batch)) for p in policies)
 
     # ---- before the step ---------------------------------------------------------------------
     def plan(self, continuing: list[ActiveRequest], prefilling: bool = False) -> None:
@@ -177,7 +181,7 @@ class AutoController:
         self.holding = set()
         self.step_tokens = self.step_requests = 0
         self._flush_verdicts()
-        settled = self.hidden_states and self.settled_off()
+        settled = self.hidden_states and self.settled_off(len(continuing))
         self.open_steps = max(0, self.open_steps - 1) if settled else 0
         if settled:
             self.steps_settled += 1

@@ -35,7 +35,8 @@ choice unless another is `switch_margin` better, so it does not flap between nea
 A new drafter is first measured with cheap probes (one request drafts one token); when
 speculation is off the policy still probes now and then (in a batch of one, with the speculative
 choice rated best), the interval doubling while probes keep losing, so a rising acceptance is
-noticed; and now and then a close rival runs one step: one from
+noticed (counted per batch bucket: a wave's ramp, where speculation pays, does not restart the
+count where off wins, and auto settles off there); and now and then a close rival runs one step: one from
 another acceptance family (a tree against a chain), or a sibling of the current choice (chain k=4
 against k=8) whose step time at this batch size rests on one or two steps of its own, or off
 where its own step time there rests on fewer than three; the rival challenged longest ago first,
@@ -55,7 +56,7 @@ from functools import cached_property
 import numpy as np
 
 from gateway.auto.acceptance import AcceptanceBook, TokenCalibration
-from gateway.auto.costs import CostModel, RequestLengths, StepCalibration, StepOverheads
+from gateway.auto.costs import CostModel, RequestLengths, StepCalibration, StepOverheads, bucket
 from gateway.auto.occupancy import Vacancies, occupancy
 from gateway.auto.realized import RealizedRates
 from gateway.auto.switch_cost import SwitchCost
@@ -188,8 +189,16 @@ class AutoPolicy:
         self.switch_margin, self.speculation_margin = switch_margin, speculation_margin
         self.current = OFF
         self.probe_start, self.probe_max = probe_start, probe_max
-        self.probe_interval = probe_start
-        self.steps_off = 0
+        # Probing while off is counted per batch bucket: the choice last planned there, the steps off
+        # since its last probe and the interval to the next. Load comes in waves, and a wave's ramp
+        # (small batches, where speculation pays) must not restart the count where off wins. With
+        # one count, on the H100 at a = 0.8, C = 64 each wave's ramp reset it: auto ran off at batch
+        # 64 without ever probing there, so it never settled, kept every request's hidden states
+        # ready on the verifier (+1.2 ms a step, +6 ms a step that admits) and ran at 0.92x of off.
+        self.bucket = 1                                    # the batch bucket of the last plan
+        self._current_at: dict[int, Choice] = {}
+        self._steps_off: dict[int, int] = {}
+        self._intervals: dict[int, int] = {}
         self.last_off: Plan | None = None
         self.last_rival: Plan | None = None   # the best speculative plan besides the last choice (logged)
 
@@ -207,6 +216,10 @@ class AutoPolicy:
         steps: the steps since the last plan (a caller that keeps a plan for several steps); the
         intervals between probes count steps. behind: tokens the drafter has yet to take in for these
         requests (committed while they ran off): what a switch from off must first catch up."""
+        b = bucket(len(seq_ids) + others)
+        if b not in self._intervals:   # a bucket's first plan: its probe count goes on from the last bucket's
+            self._intervals[b], self._steps_off[b] = self.probe_interval, self.steps_off
+        self.bucket = b
         if not explore:
             return self._plan_measured(seq_ids, others, other_width, other_tokens, remaining, behind)
         probe = self._probe_choice()
@@ -214,7 +227,7 @@ class AutoPolicy:
             return self._probe(probe, seq_ids, others)   # a new drafter: measure it cheaply first
         scored = self._scored(self.choices, seq_ids, others, other_width, other_tokens, remaining)
         best = self._best(scored, behind, remaining)
-        self.current = best.choice
+        self.current = self._current_at[self.bucket] = best.choice
         self.plans_since_challenge += 1
         self.plans_since_remeasure += 1
         batch = len(seq_ids) + others
@@ -264,10 +277,10 @@ class AutoPolicy:
                 self.last_challenged[turn(rival)] = self.challenges
                 return dataclasses.replace(rival, probe=True)
         if best.choice == OFF and seq_ids and len(self.choices) > 1:
-            self.steps_off += steps
+            self._steps_off[self.bucket] = self.steps_off + steps
             if self.steps_off >= self.probe_interval and probe is not None:   # look again, cheaply
-                self.steps_off = 0
-                self.probe_interval = min(self.probe_interval * 2, self.probe_max)
+                self._steps_off[self.bucket] = 0
+                self._intervals[self.bucket] = min(self.probe_interval * 2, self.probe_max)
                 if batch == 1:
                     # A batch of one: the probe is the whole step whatever it drafts, so it runs the
                     # likeliest winner, whose family's estimate it then corrects. (chain k=1 alone
@@ -277,7 +290,7 @@ class AutoPolicy:
                     probe = max((p for p in scored if p.choice != OFF), key=lambda p: p.tokens_per_second).choice
                 return self._probe(probe, seq_ids, others)
         elif best.choice != OFF:
-            self.steps_off, self.probe_interval = 0, self.probe_start
+            self._steps_off[self.bucket], self._intervals[self.bucket] = 0, self.probe_start
         drafting = set(best.speculating)
         self.book.age_idle([s for s in seq_ids if s not in drafting], steps)
         return best
@@ -354,12 +367,29 @@ class AutoPolicy:
 
     def probe_due(self) -> None:
         """The next full plan that chooses off probes (a scout was just admitted for it)."""
-        self.steps_off = max(self.steps_off, self.probe_interval)
+        self._steps_off[self.bucket] = max(self.steps_off, self.probe_interval)
+
+    @property
+    def probe_interval(self) -> int:
+        """Steps off between probes at the last plan's batch bucket."""
+        return self._intervals.get(self.bucket, self.probe_start)
+
+    @property
+    def steps_off(self) -> int:
+        """Steps run off at the last plan's batch bucket since its last probe there."""
+        return self._steps_off.get(self.bucket, 0)
 
     @property
     def settled_off(self) -> bool:
-        """Off is its choice, and a probe lost since it chose off (the probe interval has grown)."""
-        return self.current == OFF and self.probe_interval > self.probe_start
+        """Settled at the last plan's batch bucket (settled_off_at)."""
+        return self.settled_off_at(self.bucket)
+
+    def settled_off_at(self, b: int) -> bool:
+        """Off is the choice last planned at batch bucket b, and a probe there lost since it chose
+        off (the probe interval there has grown). A bucket not planned for yet goes by the last
+        plan's, as its first plan will."""
+        return (self._current_at.get(b, self.current) == OFF
+                and self._intervals.get(b, self.probe_interval) > self.probe_start)
 
     def observe_step(self, plan: Plan, seconds: float, bound: bool = False) -> None:
         """The measured wall time of a step without prompts that ran `plan` for the whole batch;
