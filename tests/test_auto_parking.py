@@ -39,16 +39,17 @@ def step_seconds(reqs: list[ActiveRequest]) -> float:
     return 0.01 + 0.002 * any(r.mode != Mode.OFF for r in reqs)
 
 
-def serve_steps(auto: AutoController, reqs: list[ActiveRequest], steps: int, accept_whole: bool = False) -> None:
+def serve_steps(auto: AutoController, reqs: list[ActiveRequest], steps: int, accept_whole: bool = False,
+                seconds=step_seconds) -> None:
     """Steps in which every draft is rejected (auto settles on off and its probes keep losing), or
-    with accept_whole every draft passes whole."""
+    with accept_whole every draft passes whole; each step takes seconds(reqs)."""
     for _ in range(steps):
         auto.plan(reqs)
         for r in reqs:
             depth = r.settings.k if r.mode == Mode.CHAIN else r.settings.depth if r.mode == Mode.TREE else 0
             r.draft_family = draft_family(r.settings, r.mode)
             auto.observe_verdict(r, depth, depth if accept_whole else 0)
-        auto.observe_step(step_seconds(reqs))
+        auto.observe_step(seconds(reqs))
 
 
 def settle_off(auto: AutoController) -> list[ActiveRequest]:
@@ -407,16 +408,12 @@ def test_a_batch_size_where_off_settled_stays_settled_across_the_waves_ramps():
     def verify_seconds(width: int, batch: int) -> float:   # grows faster than its tokens
         return 0.01 + 0.00002 * (width * batch) ** 1.5
 
+    def seconds(reqs: list[ActiveRequest]) -> float:       # what the profile says the step takes
+        width = max(step_width(r.settings, r.mode) for r in reqs)
+        return verify_seconds(width, len(reqs)) + 0.002 * (width > 1)
+
     def serve(reqs: list[ActiveRequest], steps: int) -> None:
-        """Every draft accepted whole; each step takes what the profile says it does."""
-        for _ in range(steps):
-            auto.plan(reqs)
-            width = max(step_width(r.settings, r.mode) for r in reqs)
-            for r in reqs:
-                depth = r.settings.k if r.mode == Mode.CHAIN else r.settings.depth if r.mode == Mode.TREE else 0
-                r.draft_family = draft_family(r.settings, r.mode)
-                auto.observe_verdict(r, depth, depth)
-            auto.observe_step(verify_seconds(width, len(reqs)) + 0.002 * (width > 1))
+        serve_steps(auto, reqs, steps, accept_whole=True, seconds=seconds)
 
     auto = controller(True, verify_seconds)
     ramp = [request(i) for i in range(8)]
