@@ -72,5 +72,10 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def describe() -> str:
+    """The host in a run's machine line: its CPU and how fast it runs this workload."""
+    return f"{cpu_model()}, host Python {host_python_ms():.1f} ms"
+
+
 if __name__ == "__main__":
-    print(f"{cpu_model()}: host Python {host_python_ms():.2f} ms (benchmarks/host_speed.py)")
+    print(f"{describe()} (benchmarks/host_speed.py)")

@@ -80,9 +80,9 @@ def machine(device: str) -> tuple[str, str]:
     the services' Python (benchmarks/host_speed.py): GPU hosts of one kind differ in it."""
     import os
 
-    from benchmarks.host_speed import cpu_model, host_python_ms
+    from benchmarks.host_speed import describe
 
-    host = f"{cpu_model()}, host Python {host_python_ms():.1f} ms"
+    host = describe()
     if device == "cuda":
         name = torch.cuda.get_device_name()
         return f"{name} ({os.cpu_count()} CPU cores: {host})", name

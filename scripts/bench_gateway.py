@@ -32,9 +32,9 @@ from cluster import free_port, stop_all, wait_serving  # noqa: E402
 from model_factory import VOCAB, make_tokenizer  # noqa: E402
 
 from benchmarks import step_split  # noqa: E402
-from benchmarks.host_speed import cpu_model, host_python_ms  # noqa: E402
 from benchmarks.gateway_runs import GatewayClient  # noqa: E402
 from benchmarks.grid import CONFIGS, SpecConfig  # noqa: E402
+from benchmarks.host_speed import describe  # noqa: E402
 from benchmarks.metrics import RunResult, summarize  # noqa: E402
 
 AUTO = SpecConfig("auto", "auto")
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> list[RunResult]:
         client = GatewayClient()
         try:
             # The stand-ins' figures are the host's Python and gRPC: say which host (benchmarks/host_speed.py).
-            print(f"host: {cpu_model()}, host Python {host_python_ms():.1f} ms", flush=True)
+            print(f"host: {describe()}", flush=True)
             print(f"{'C':>3} {'mode':<22} {'tok/s':>8} {'x off':>6} {'accept':>6} {'loop ms':>8} {'engine':>7} "
                   f"{'transp':>7} {'gateway':>7} {'eng-bound tok/s':>15}", flush=True)
             for c in a.concurrency:
